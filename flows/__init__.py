@@ -1,0 +1,1 @@
+"""Dask graphs of grpoflow: one iteration, the loop, cluster set-up and the CLI."""

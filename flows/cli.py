@@ -1,0 +1,77 @@
+"""The ``grpoflow`` command line: run iterations, open the MLflow UI, plan a deployment."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from flows.config import load_config
+    from flows.loop import format_summary, run, run_dir_of
+
+    cfg = load_config(args.config, args.overrides)
+    summary = run(cfg, progress=not args.quiet)
+    print(format_summary(summary))
+    print(f"summary: {run_dir_of(cfg) / 'summary.json'}")
+    return 0
+
+
+def _cmd_ui(args: argparse.Namespace) -> int:
+    from flows.config import load_config
+    from flows.loop import run_dir_of
+    from storage.lineage import default_tracking_uri
+
+    cfg = load_config(args.config, args.overrides)
+    uri = cfg.mlflow.tracking_uri or default_tracking_uri(run_dir_of(cfg))
+    address = f"http://127.0.0.1:{args.port}"
+    print(f"MLflow UI for {uri} at {address} (Ctrl-C stops it)", flush=True)
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1",
+           "--port", str(args.port)]
+    try:
+        return subprocess.call(cmd)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from planner.cli import plan_command
+
+    return plan_command(args.config, args.overrides, args.out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="grpoflow", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="run GRPO iterations of a config")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", help="key=value, e.g. iterations=5 train.schedule=gpipe")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(fn=_cmd_run)
+    p = sub.add_parser("ui", help="start the MLflow UI on a run's tracking store (127.0.0.1)")
+    p.add_argument("config", nargs="?", default="configs/tiny.yaml")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--port", type=int, default=5000)
+    p.set_defaults(fn=_cmd_ui)
+    p = sub.add_parser("plan", help="memory, bubble and throughput of a GRPO deployment")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--out", default=None, help="write plan.json, report.md and plots here")
+    p.set_defaults(fn=_cmd_plan)
+    args = parser.parse_args(argv)
+    from stages.config import ConfigError
+
+    try:
+        return args.fn(args)
+    except ConfigError as exc:
+        print(f"grpoflow: config error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Dask cluster set-up: an embedded local cluster, or an existing scheduler.
+
+Workers carry resources: ``train`` (one per pipeline rank), ``rollout`` (one per generation
+engine); plain workers take reward, advantage and IO tasks. A task asking for a resource no worker
+has would wait forever in Dask, so :func:`check_pools` fails at start-up instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import dask
+from distributed import Client, Nanny, Scheduler, SpecCluster
+
+from stages.config import GRPOConfig
+
+__all__ = ["ClusterError", "Pools", "start_cluster", "check_pools"]
+
+
+class ClusterError(RuntimeError):
+    """The cluster lacks a worker pool the run needs."""
+
+
+@dataclass(frozen=True)
+class Pools:
+    train: tuple[str, ...]  # worker addresses, index = pipeline rank
+    rollout: tuple[str, ...]
+
+    @property
+    def train_host(self) -> str:
+        """Host of rank 0's worker: where the process-group rendezvous listens."""
+        return self.train[0].split("://")[-1].rsplit(":", 1)[0]
+
+
+def _worker(resources: dict[str, int]) -> dict:
+    # One thread per worker process: torch ops inside use that process's own threads.
+    return {"cls": Nanny, "options": {"nthreads": 1, "resources": resources, "memory_limit": 0}}
+
+
+def start_cluster(cfg: GRPOConfig) -> tuple[Client, SpecCluster | None]:
+    """A client on the configured scheduler, or on a new embedded cluster sized for ``cfg``."""
+    if cfg.cluster.scheduler_address:
+        return Client(cfg.cluster.scheduler_address, timeout="30s"), None
+    workers: dict[str, dict] = {}
+    pp = cfg.train.pipeline_model_parallel_size
+    for rank in range(pp):
+        res = {"train": 1}
+        if cfg.cluster.colocated and rank < cfg.rollout.num_engines:
+            res["rollout"] = 1
+        workers[f"train-{rank}"] = _worker(res)
+    if not cfg.cluster.colocated:
+        for i in range(cfg.rollout.num_engines):
+            workers[f"rollout-{i}"] = _worker({"rollout": 1})
+    for i in range(cfg.cluster.num_plain_workers):
+        workers[f"plain-{i}"] = _worker({})
+    # Worker processes configure logging when they import distributed, from the environment.
+    os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
+    dask.config.set({"logging.distributed": "warning"})
+    scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0", "host": "127.0.0.1"}}
+    for name in ("distributed.worker", "distributed.nanny", "distributed.scheduler", "distributed.core"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    cluster = SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.WARNING,
+                          name="grpoflow")
+    return Client(cluster), cluster
+
+
+def check_pools(client: Client, cfg: GRPOConfig, wait_s: float = 60.0) -> Pools:
+    """The train and rollout workers, or a :class:`ClusterError` naming the missing resource."""
+    pp = cfg.train.pipeline_model_parallel_size
+    try:
+        client.wait_for_workers(1, timeout=wait_s)
+    except TimeoutError as exc:
+        raise ClusterError(f"no Dask worker joined within {wait_s:.0f} s") from exc
+    workers = client.scheduler_info(n_workers=-1)["workers"]
+
+    def having(resource: str) -> list[str]:
+        return sorted((a for a, w in workers.items() if w.get("resources", {}).get(resource, 0) >= 1),
+                      key=lambda a: (workers[a].get("name", ""), a))
+
+    train, rollout = having("train"), having("rollout")
+    if len(train) < pp:
+        raise ClusterError(
+            f"train.pipeline_model_parallel_size={pp} needs {pp} workers with the 'train' resource, the "
+            f"cluster has {len(train)}: start workers with --resources train=1")
+    if not rollout:
+        raise ClusterError("no worker offers the 'rollout' resource: start one with --resources rollout=1")
+    return Pools(tuple(train[:pp]), tuple(rollout[: cfg.rollout.num_engines]))

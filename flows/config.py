@@ -1,0 +1,45 @@
+"""Load a run config: YAML + ``key=value`` overrides, checked against the typed schema."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from stages.config import ConfigError, GRPOConfig
+
+__all__ = ["load_config"]
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> GRPOConfig:
+    """The frozen config of a run. Raises :class:`ConfigError` with one line naming the bad key."""
+    schema = OmegaConf.structured(GRPOConfig)
+    layers = [schema]
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            layers.append(OmegaConf.load(path))
+        except Exception as exc:  # yaml.YAMLError and friends
+            raise ConfigError(f"{path}: not valid YAML: {_first_line(exc)}") from exc
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key=value")
+    try:
+        layers.append(OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(*layers)
+        cfg = OmegaConf.to_object(merged)
+    except ConfigError:
+        raise
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None)
+        where = f"{key}: " if key else ""
+        raise ConfigError(f"{where}{_first_line(exc)}") from exc
+    assert isinstance(cfg, GRPOConfig)
+    return cfg

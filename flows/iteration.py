@@ -1,0 +1,190 @@
+"""One GRPO iteration as a Dask graph.
+
+    prompts(step) ─► rollout ─► reward ──────────┐
+                            └─► reference ───────┴─► advantage ─► train ─► publish(policy v+1)
+
+Edges carry small refs (StepRef, PolicyRef), never tensors: every stage reads its inputs from
+the step's Zarr group and writes its outputs there. A stage already marked complete in the store
+is not run again, so a rerun of a crashed iteration picks up after the last complete stage.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from dask.base import tokenize
+from distributed import Client, Future, as_completed
+
+from flows import tasks
+from flows.cluster import Pools
+from stages.config import GRPOConfig, config_hash
+from storage.policies import PolicyRef
+from storage.rollouts import RolloutStore, StepLayout, StepRef
+
+__all__ = ["STAGES", "IterationError", "IterationResult", "run_iteration", "step_layout"]
+
+STAGES = ("rollout", "reward", "reference", "advantage", "train", "publish")
+# What each stage waits for; a stage's seconds are measured from the last of these finishing.
+_AFTER = {"rollout": (), "reward": ("rollout",), "reference": ("rollout",),
+          "advantage": ("reward",), "train": ("advantage", "reference"), "publish": ("train",)}
+
+
+class IterationError(RuntimeError):
+    """A stage of an iteration failed or timed out; the message names the step and the stage."""
+
+
+@dataclass
+class IterationResult:
+    step: int
+    policy: PolicyRef
+    metrics: dict[str, float]
+    stage_seconds: dict[str, float]
+    trace_events: list[dict] = field(default_factory=list)
+
+
+def step_layout(cfg: GRPOConfig) -> StepLayout:
+    # The longest prompt of the addition task: "<bos>" + "a+b=" with num_digits-digit operands.
+    prompt_width = 1 + 2 * cfg.task.num_digits + 2
+    return StepLayout(cfg.task.prompts_per_step, cfg.rollout.group_size, prompt_width, cfg.rollout.max_new_tokens)
+
+
+def _ranges(num_groups: int, groups_per_chunk: int, parts: int) -> list[tuple[int, int]]:
+    """Split groups [0, num_groups) into at most ``parts`` chunk-aligned contiguous ranges."""
+    chunks = -(-num_groups // groups_per_chunk)
+    parts = max(1, min(parts, chunks))
+    bounds = [round(i * chunks / parts) * groups_per_chunk for i in range(parts + 1)]
+    return [(lo, min(hi, num_groups)) for lo, hi in zip(bounds, bounds[1:]) if lo < min(hi, num_groups)]
+
+
+def _submit(client: Client, cfg: GRPOConfig, pools: Pools, paths: tasks.RunPaths, ref: StepRef,
+            policy: PolicyRef, done: set[str]) -> dict[str, list[Future]]:
+    G = cfg.rollout.group_size
+    layout = step_layout(cfg)
+    gpc = layout.chunk_samples // G
+    tok = tokenize(ref, policy.sha256, config_hash(cfg))
+    pp = len(pools.train)
+    train_pin = [dict(workers=[pools.train[r]], resources={"train": 1}, pure=False) for r in range(pp)]
+    futures: dict[str, list[Future]] = {}
+
+    rollout = []
+    if "rollout" not in done:
+        parts = _ranges(layout.num_prompts, gpc, len(pools.rollout))
+        for i, (lo, hi) in enumerate(parts):
+            engine = pools.rollout[i % len(pools.rollout)]
+            rollout.append(client.submit(tasks.rollout_task, cfg, ref, policy, lo, hi, engine,
+                                         key=f"rollout-{ref.step}-{i}-{tok}", workers=[engine],
+                                         resources={"rollout": 1}, pure=False))
+        futures["rollout_work"] = rollout
+        rollout = [client.submit(tasks.mark_complete, ref, "rollout", *rollout, key=f"rollout-done-{ref.step}-{tok}")]
+    futures["rollout"] = rollout
+
+    reward = []
+    if "reward" not in done:
+        for i, (lo, hi) in enumerate(_ranges(layout.num_prompts, gpc, cfg.reward.num_tasks)):
+            reward.append(client.submit(tasks.score_task, cfg, ref, policy.path, lo * G, hi * G, *rollout,
+                                        key=f"score-{ref.step}-{i}-{tok}"))
+        futures["reward_work"] = reward
+        reward = [client.submit(tasks.mark_complete, ref, "reward", *reward, key=f"reward-done-{ref.step}-{tok}")]
+    futures["reward"] = reward
+
+    reference = []
+    if "reference" not in done:
+        reference = [client.submit(tasks.reference_task, cfg, ref, *rollout, key=f"reference-{ref.step}-{r}-{tok}",
+                                   **train_pin[r]) for r in range(pp)]
+        futures["reference_work"] = reference
+        reference = [client.submit(tasks.mark_complete, ref, "reference", *reference,
+                                   key=f"reference-done-{ref.step}-{tok}")]
+    futures["reference"] = reference
+
+    advantage = []
+    if "advantage" not in done:
+        advantage = [client.submit(tasks.advantage_task, cfg, ref, *reward, key=f"advantage-{ref.step}-{tok}")]
+    futures["advantage"] = advantage
+
+    new_version = policy.version + 1
+    train = [client.submit(tasks.train_task, cfg, ref, paths, new_version, *advantage, *reference,
+                           key=f"train-{ref.step}-{r}-{tok}", **train_pin[r]) for r in range(pp)]
+    futures["train"] = train
+    futures["publish"] = [client.submit(tasks.publish_task, paths, new_version, policy, ref.step, *train,
+                                        key=f"publish-{ref.step}-{tok}")]
+    return futures
+
+
+def run_iteration(client: Client, cfg: GRPOConfig, pools: Pools, paths: tasks.RunPaths, step: int,
+                  policy: PolicyRef, on_stage: Callable[[str], None] = lambda stage: None,
+                  timeout_s: float = 900.0) -> IterationResult:
+    """Run step ``step`` from ``policy``; returns the new policy version and the step's metrics."""
+    store = RolloutStore(paths.rollouts)
+    done = store.completed(step)
+    if "rollout" not in done:  # a partial rollout is regenerated whole
+        store.create_step(step, step_layout(cfg), policy.version, config_hash(cfg))
+        done = set()
+    ref = store.ref(step)
+    start = time.perf_counter()
+    futures = _submit(client, cfg, pools, paths, ref, policy, done)
+    stage_of = {f.key: stage.removesuffix("_work") for stage, fs in futures.items() for f in fs}
+    pending = {stage: sum(len(fs) for name, fs in futures.items() if name.removesuffix("_work") == stage)
+               for stage in STAGES}
+    finished_at = {stage: start for stage, n in pending.items() if n == 0}
+    for stage in finished_at:
+        on_stage(stage)
+    results: dict[str, list] = {stage: [] for stage in STAGES}
+    try:
+        for future, value in as_completed([f for fs in futures.values() for f in fs], with_results=True,
+                                          raise_errors=False, timeout=timeout_s):
+            stage = stage_of[future.key]
+            if future.status == "error":
+                exc = future.exception()
+                raise IterationError(f"step {step}: stage {stage} failed: {type(exc).__name__}: {exc}") from exc
+            results[stage].append(value)
+            pending[stage] -= 1
+            if pending[stage] == 0:
+                finished_at[stage] = time.perf_counter()
+                on_stage(stage)
+    except TimeoutError as exc:
+        late = [s for s, n in pending.items() if n]
+        raise IterationError(f"step {step}: stages {', '.join(late)} did not finish within {timeout_s:.0f} s") from exc
+    finally:
+        for fs in futures.values():
+            for f in fs:
+                if f.status == "pending":
+                    f.cancel()
+
+    stage_seconds = {s: finished_at[s] - max((finished_at[d] for d in _AFTER[s]), default=start) for s in STAGES}
+    return _collect(step, results, stage_seconds)
+
+
+def _collect(step: int, results: dict[str, list], stage_seconds: dict[str, float]) -> IterationResult:
+    """Fold the tasks' own measurements into the step's metrics."""
+    values = {stage: [v for v in vs if isinstance(v, dict)] for stage, vs in results.items()}
+    m: dict[str, float] = {}
+    if values["rollout"]:
+        roll = values["rollout"]
+        m["rollout_tokens"] = sum(r["rollout_tokens"] for r in roll)
+        m["rollout_tokens_per_s"] = m["rollout_tokens"] / max(max(r["rollout_seconds"] for r in roll), 1e-9)
+        m["kv_cache_bytes"] = sum(r["kv_cache_bytes"] for r in roll)
+        m["weight_load_seconds"] = max(r["weight_load_seconds"] for r in roll)
+    if values["reward"]:
+        m["reward_failed"] = sum(r["reward_failed"] for r in values["reward"])
+    for r in values["advantage"]:
+        m.update(r)
+    trains = sorted(values["train"], key=lambda r: r["rank"])
+    events: list[dict] = []
+    if trains:
+        for r in trains:
+            m[f"bubble_fraction_rank{r['rank']}"] = r["metrics"]["bubble_fraction"]
+            events.extend(r["events"])
+        last = trains[-1]["metrics"]
+        m.update({k: last[k] for k in ("loss", "kl", "clip_fraction", "grad_norm") if k in last})
+        m["bubble_fraction"] = sum(r["metrics"]["bubble_fraction"] for r in trains) / len(trains)
+        m["train_step_seconds"] = max(r["metrics"]["step_seconds"] for r in trains)
+        m["publish_bytes"] = sum(r["shard_bytes"] for r in trains)
+        m["publish_write_seconds"] = max(r["shard_seconds"] for r in trains)
+        origin = min(e["ts"] for e in events if "ts" in e)
+        for e in events:
+            if "ts" in e:
+                e["ts"] -= origin
+    m.update({f"{s}_seconds": v for s, v in stage_seconds.items()})
+    return IterationResult(step, results["publish"][0], m, stage_seconds, events)

@@ -1,0 +1,175 @@
+"""The synchronous GRPO loop: set up the cluster and the training ranks, run the iterations,
+record lineage, write the run summary.
+
+Resuming: a run folder that already holds published steps continues after the last one, from the
+policy version it published; a step left half-done is picked up after its last complete stage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from flows import tasks
+from flows.cluster import Pools, check_pools, start_cluster
+from flows.iteration import STAGES, IterationResult, run_iteration
+from stages.config import GRPOConfig, config_hash, config_to_dict
+from stages.train.local import free_port
+from storage.lineage import Lineage, default_tracking_uri
+from storage.policies import PolicyRef, PolicyStore
+from storage.rollouts import RolloutStore
+
+__all__ = ["RunSummary", "run", "run_dir_of", "format_summary"]
+
+_CACHE_DIR = os.environ.get("GRPOFLOW_CACHE", "")
+
+
+@dataclass
+class RunSummary:
+    run_name: str
+    mlflow_run_id: str
+    tracking_uri: str
+    iterations: int
+    reward_mean: list[float]
+    wall_seconds: float
+    stage_seconds: dict[str, list[float]]
+    metrics: list[dict[str, float]] = field(default_factory=list)
+    policy_path: str = ""
+
+    def to_json(self) -> dict:
+        return {
+            "run_name": self.run_name, "mlflow_run_id": self.mlflow_run_id, "tracking_uri": self.tracking_uri,
+            "iterations": self.iterations, "reward_mean": self.reward_mean, "wall_seconds": self.wall_seconds,
+            "stage_seconds": {s: sum(v) for s, v in self.stage_seconds.items()},
+            "stage_seconds_per_iteration": self.stage_seconds, "policy_path": self.policy_path,
+            "metrics": self.metrics,
+        }
+
+
+def run_dir_of(cfg: GRPOConfig) -> Path:
+    return Path(cfg.runs_dir) / cfg.run_name
+
+
+def _init_ranks(client, cfg: GRPOConfig, pools: Pools, policy: PolicyRef) -> None:
+    # The rendezvous listens on rank 0's host, on a port free there.
+    port = client.submit(free_port, workers=[pools.train[0]], pure=False).result()
+    init_method = f"tcp://{pools.train_host}:{port}"
+    futures = [client.submit(tasks.init_train_rank, cfg, r, init_method, policy, workers=[w],
+                             resources={"train": 1}, pure=False, key=f"init-train-{r}-{cfg.run_name}-{port}")
+               for r, w in enumerate(pools.train)]
+    client.gather(futures)
+
+
+def _resume_point(cfg: GRPOConfig, paths: tasks.RunPaths) -> tuple[int, int | None]:
+    """(first step to run, policy version to start from) of an existing run folder."""
+    store, policies = RolloutStore(paths.rollouts), PolicyStore(paths.policies)
+    step = 0
+    while step < cfg.iterations and "publish" in store.completed(step) and policies.is_complete(step + 1):
+        step += 1
+    return step, (step if policies.is_complete(step) else None)
+
+
+def run(cfg: GRPOConfig, progress: bool = True) -> RunSummary:
+    """Run ``cfg.iterations`` GRPO iterations; writes runs/<run_name>/summary.json."""
+    start = time.perf_counter()
+    run_dir = run_dir_of(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    paths = tasks.RunPaths(str(run_dir.resolve()))
+    tracking_uri = cfg.mlflow.tracking_uri or default_tracking_uri(run_dir)
+    first_step, version = _resume_point(cfg, paths)
+    client, cluster = start_cluster(cfg)
+    lineage = None
+    try:
+        pools = check_pools(client, cfg)
+        lineage = Lineage(tracking_uri, cfg.mlflow.experiment, cfg.run_name, config_to_dict(cfg),
+                          tags={"grpoflow.config_hash": config_hash(cfg), "grpoflow.resumed_from": str(first_step)},
+                          artifact_location=str((run_dir / "mlartifacts").resolve()))
+        cache_dir = _CACHE_DIR or str(Path(cfg.runs_dir).resolve() / "_cache")
+        if version is None:
+            policy = client.submit(tasks.make_base_policy, cfg, paths, cache_dir, workers=[pools.train[0]],
+                                   pure=False).result()
+        else:
+            policy = PolicyStore(paths.policies).ref(version)
+        _init_ranks(client, cfg, pools, policy)
+        results = _loop(client, cfg, pools, paths, policy, first_step, lineage, progress)
+        summary = _summarise(cfg, lineage, tracking_uri, results, time.perf_counter() - start)
+        summary_path = run_dir / "summary.json"
+        summary_path.write_text(json.dumps(summary.to_json(), indent=1))
+        lineage.log_summary({"wall_seconds": summary.wall_seconds}, [str(summary_path)])
+        lineage.finish()
+        return summary
+    except BaseException:
+        if lineage is not None:
+            lineage.finish("FAILED")
+        raise
+    finally:
+        try:
+            client.run(tasks.shutdown_train_rank, cfg.run_name)
+        except Exception:
+            pass
+        client.close()
+        if cluster is not None:
+            cluster.close()
+
+
+def _loop(client, cfg: GRPOConfig, pools: Pools, paths: tasks.RunPaths, policy: PolicyRef, first_step: int,
+          lineage: Lineage, progress: bool) -> list[IterationResult]:
+    results = []
+    timelines = Path(paths.timelines)
+    timelines.mkdir(parents=True, exist_ok=True)
+    store = RolloutStore(paths.rollouts)
+    outer = tqdm(range(first_step, cfg.iterations), desc="iterations", disable=not progress, unit="it")
+    for step in outer:
+        bar = tqdm(total=len(STAGES), desc=f"step {step}", leave=False, disable=not progress, unit="stage")
+
+        def advance(stage: str) -> None:
+            bar.set_postfix_str(stage)
+            bar.update(1)
+
+        result = run_iteration(client, cfg, pools, paths, step, policy, on_stage=advance,
+                               timeout_s=cfg.cluster.iteration_timeout_s)
+        bar.close()
+        t0 = time.perf_counter()
+        store.mark_complete(step, "publish", next_policy_version=result.policy.version)
+        result.metrics["publish_seconds_total"] = result.stage_seconds["publish"]
+        trace_path = timelines / f"step_{step}.json"
+        trace_path.write_text(json.dumps({"traceEvents": result.trace_events, "displayTimeUnit": "ms"}))
+        cid = lineage.log_iteration(step, result.metrics, store.ref(step).path, store.digest(step),
+                                    result.policy.path, result.policy.sha256, result.policy.version)
+        lineage.log_artifact(cid, str(trace_path), "timelines")
+        result.metrics["lineage_seconds"] = time.perf_counter() - t0
+        policy = result.policy
+        results.append(result)
+        outer.set_postfix(reward=f"{result.metrics.get('reward_mean', float('nan')):.3f}")
+    return results
+
+
+def _summarise(cfg: GRPOConfig, lineage: Lineage, tracking_uri: str, results: list[IterationResult],
+               wall_s: float) -> RunSummary:
+    return RunSummary(
+        run_name=cfg.run_name, mlflow_run_id=lineage.run_id, tracking_uri=tracking_uri,
+        iterations=len(results), reward_mean=[r.metrics.get("reward_mean", float("nan")) for r in results],
+        wall_seconds=wall_s, stage_seconds={s: [r.stage_seconds[s] for r in results] for s in STAGES},
+        metrics=[{"step": r.step, **r.metrics} for r in results],
+        policy_path=results[-1].policy.path if results else "")
+
+
+def format_summary(summary: RunSummary) -> str:
+    """A plain-text table of the run: reward per iteration and seconds per stage."""
+    lines = [f"run {summary.run_name}: {summary.iterations} iterations in {summary.wall_seconds:.1f} s "
+             f"(mlflow run {summary.mlflow_run_id})"]
+    header = f"{'step':>4} {'reward':>7} {'loss':>8} {'kl':>7} {'clip':>6} {'bubble':>6} " + \
+        " ".join(f"{s[:7]:>7}" for s in STAGES)
+    lines.append(header)
+    for m in summary.metrics:
+        lines.append(f"{m['step']:>4} {m.get('reward_mean', float('nan')):>7.3f} {m.get('loss', 0):>8.4f} "
+                     f"{m.get('kl', 0):>7.4f} {m.get('clip_fraction', 0):>6.3f} {m.get('bubble_fraction', 0):>6.3f} "
+                     + " ".join(f"{m[f'{s}_seconds']:>7.2f}" for s in STAGES))
+    totals = " ".join(f"{sum(v):>7.2f}" for v in summary.stage_seconds.values())
+    lines.append(f"{'all':>4} {'':>7} {'':>8} {'':>7} {'':>6} {'':>6} {totals}")
+    return "\n".join(lines)

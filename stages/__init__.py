@@ -1,0 +1,1 @@
+"""The work of each DAG node, as functions of typed inputs to typed outputs."""

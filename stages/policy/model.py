@@ -1,0 +1,289 @@
+"""A compact decoder of the Llama / Qwen2 family, built from an HF config.json.
+
+RMSNorm, rotary position embeddings, grouped-query attention, SwiGLU MLP, optional q/k/v bias
+(Qwen2), tied or untied embeddings. Parameter names match the HF checkpoints once
+:func:`to_hf_name` is applied, so HF safetensors load directly.
+
+The model is a :class:`DecoderStage` over a contiguous layer range: with the full range it is
+the whole model, with part of it a pipeline stage. There is no mesh code here; stages/train
+splits and wraps it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "DecoderConfig",
+    "DecoderStage",
+    "AttentionCache",
+    "build_stage",
+    "layer_ranges",
+    "to_hf_name",
+    "from_hf_name",
+]
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """The fields of an HF config.json that define a Llama / Qwen2 decoder."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    model_type: str = "llama"
+    bos_token_id: Optional[int] = None
+    eos_token_id: Optional[int] = None
+    pad_token_id: Optional[int] = None
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "DecoderConfig":
+        model_type = hf.get("model_type", "llama")
+        if model_type not in ("llama", "qwen2"):
+            raise ValueError(f"config.json model_type={model_type!r} is not supported (llama or qwen2)")
+        heads = hf["num_attention_heads"]
+        # transformers >= 5 nests RoPE settings under rope_parameters; older files use the top level.
+        rope = dict(hf.get("rope_parameters") or {})
+        rope_theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+        scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling:
+            raise ValueError(f"config.json RoPE scaling {scaling!r} is not supported; use a model without it")
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            # Qwen2 always carries q/k/v bias; Llama only when attention_bias is set.
+            attention_bias=model_type == "qwen2" or hf.get("attention_bias", False),
+            model_type=model_type,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=hf.get("eos_token_id"),
+            pad_token_id=hf.get("pad_token_id"),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[self.model_type]
+        out = {
+            "architectures": [arch],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "torch_dtype": "float32",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+        }
+        if self.model_type == "llama":
+            out["attention_bias"] = self.attention_bias
+            out["mlp_bias"] = False
+        return out
+
+
+class AttentionCache(Protocol):
+    """Where keys and values go during generation (see stages/rollout/kv_cache.py)."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [B, heads, T, d]; k, v: [B, kv_heads, T, d] (rotated) -> [B, heads, T, d]."""
+        ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate halves (HF convention). x: [B, h, T, d]; positions: [B, T]."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
+    angles = positions.float()[:, None, :, None] * inv_freq  # (B, 1, T, d/2)
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1).to(x.dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], dim=-1).to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.theta = cfg.rope_theta
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        # HF Llama puts attention_bias on o_proj too; Qwen2 biases q/k/v only.
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size,
+                                bias=bias and cfg.model_type == "llama")
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                cache: Optional[AttentionCache], attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, h, T, d)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, kvh, T, d)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = _rope(q, positions, self.theta), _rope(k, positions, self.theta)
+        if cache is not None:
+            out = cache.attend(self.layer, q, k, v)
+        else:
+            rep = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            if attn_mask is None:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, cache=None, attn_mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), positions, cache, attn_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStage(nn.Module):
+    """Layers [first_layer, last_layer) of the decoder; with embeddings on the first stage and the
+    final norm and LM head on the last.
+
+    forward(input_ids [B, T] on the first stage, or hidden [B, T, H] elsewhere) returns hidden
+    states [B, T, H], or logits [B, T, V] on the last stage (``return_hidden`` keeps the normed
+    hidden states instead, for a loss that applies the head itself in chunks).
+    """
+
+    def __init__(self, cfg: DecoderConfig, first_layer: int, last_layer: int,
+                 is_first: bool, is_last: bool, return_hidden: bool = False):
+        super().__init__()
+        self.cfg = cfg
+        self.first_layer, self.last_layer = first_layer, last_layer
+        self.is_first, self.is_last = is_first, is_last
+        self.return_hidden = return_hidden
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if is_first else None
+        # ModuleDict keyed by the global layer index keeps HF parameter names on every stage.
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(first_layer, last_layer)})
+        if is_last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            if cfg.tie_word_embeddings and self.embed_tokens is not None:
+                self.lm_head.weight = self.embed_tokens.weight
+        else:
+            self.norm, self.lm_head = None, None
+
+    def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                cache: Optional[AttentionCache] = None,
+                attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(x)
+        if positions is None:
+            B, T = x.shape[:2]
+            positions = torch.arange(T, device=x.device).expand(B, T)
+        for layer in self.layers.values():
+            x = layer(x, positions, cache, attn_mask)
+        if self.is_last:
+            x = self.norm(x)
+            if not self.return_hidden:
+                x = self.lm_head(x)
+        return x
+
+    def init_weights(self, generator: torch.Generator, std: float = 0.02) -> None:
+        for name, p in self.named_parameters():
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                nn.init.ones_(p)
+            elif name.endswith(".bias"):
+                nn.init.zeros_(p)
+            else:
+                with torch.no_grad():
+                    p.copy_(torch.randn(p.shape, generator=generator) * std)
+
+
+def layer_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """Contiguous layer ranges of a pipeline split, earlier stages taking the remainder.
+
+    Pure arithmetic (no process group), shared with the planner's view of a stage.
+    """
+    if not 1 <= num_stages <= num_layers:
+        raise ValueError(f"cannot split {num_layers} layers into {num_stages} pipeline stages")
+    base, extra = divmod(num_layers, num_stages)
+    ranges, start = [], 0
+    for s in range(num_stages):
+        size = base + (1 if s < extra else 0)
+        ranges.append((start, start + size))
+        start += size
+    return ranges
+
+
+def build_stage(cfg: DecoderConfig, stage: int = 0, num_stages: int = 1,
+                return_hidden: bool = False) -> DecoderStage:
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage {stage} does not exist in a {num_stages}-stage pipeline")
+    first, last = layer_ranges(cfg.num_hidden_layers, num_stages)[stage]
+    return DecoderStage(cfg, first, last, is_first=stage == 0, is_last=stage == num_stages - 1,
+                        return_hidden=return_hidden)
+
+
+def to_hf_name(local: str) -> str:
+    """Stage parameter name -> HF checkpoint name."""
+    return local if local.startswith("lm_head.") else f"model.{local}"
+
+
+def from_hf_name(hf: str) -> str:
+    return hf[len("model."):] if hf.startswith("model.") else hf

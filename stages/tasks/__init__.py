@@ -1,0 +1,1 @@
+"""Synthetic tasks with verifiable answers: prompts, tokenizer and supervised warm-up data."""

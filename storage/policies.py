@@ -1,0 +1,139 @@
+"""Policy versions as HF model folders: config.json, tokenizer.json and safetensors shards.
+
+``runs/<run>/policy/v<k>/`` is loadable by transformers' ``from_pretrained``. Each pipeline rank
+writes its own shard (``model-0000i-of-0000p.safetensors``) in parallel; :func:`finalize_policy`
+then writes the shard index and the manifest with the content hash. A version without its
+manifest is incomplete and is never loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+__all__ = ["PolicyStoreError", "PolicyRef", "PolicyStore"]
+
+_MANIFEST = "grpoflow.json"
+
+
+class PolicyStoreError(RuntimeError):
+    """A policy version could not be written or read; the message names the version."""
+
+
+@dataclass(frozen=True)
+class PolicyRef:
+    path: str
+    version: int
+    sha256: str = ""
+    num_bytes: int = 0
+
+
+def _shard_name(index: int, count: int) -> str:
+    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class PolicyStore:
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def version_path(self, version: int) -> Path:
+        return self.root / f"v{version}"
+
+    def save_shard(self, version: int, index: int, count: int, tensors: dict[str, torch.Tensor]) -> int:
+        """Write one rank's tensors (HF names); returns the bytes written."""
+        path = self.version_path(version)
+        path.mkdir(parents=True, exist_ok=True)
+        target = path / _shard_name(index, count)
+        tmp = target.with_suffix(".tmp")
+        try:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
+            os.replace(tmp, target)
+        except Exception as exc:
+            raise PolicyStoreError(f"cannot write shard {index} of policy v{version}: {exc}") from exc
+        return target.stat().st_size
+
+    def finalize_policy(self, version: int, hf_config: dict, tokenizer_json: str, count: int,
+                        extra: dict | None = None) -> PolicyRef:
+        """Write the index, config and tokenizer next to the shards, then the manifest (last)."""
+        path = self.version_path(version)
+        weight_map, total, digest = {}, 0, hashlib.sha256()
+        for i in range(count):
+            shard = path / _shard_name(i, count)
+            if not shard.exists():
+                raise PolicyStoreError(f"policy v{version} lacks shard {shard.name}")
+            data = shard.read_bytes()
+            digest.update(data)
+            total += len(data)
+            for name in load_file(str(shard)).keys():
+                weight_map[name] = shard.name
+        _atomic_write_text(path / "model.safetensors.index.json",
+                           json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        _atomic_write_text(path / "config.json", json.dumps(hf_config, indent=1))
+        _atomic_write_text(path / "tokenizer.json", tokenizer_json)
+        ref = PolicyRef(str(path), version, digest.hexdigest(), total)
+        _atomic_write_text(path / _MANIFEST, json.dumps({"version": version, "sha256": ref.sha256,
+                                                         "num_bytes": total, **(extra or {})}))
+        return ref
+
+    def save_policy(self, version: int, hf_config: dict, tokenizer_json: str,
+                    tensors: dict[str, torch.Tensor], extra: dict | None = None) -> PolicyRef:
+        """A whole policy in one shard (the warm-up base policy, tests)."""
+        self.save_shard(version, 0, 1, tensors)
+        return self.finalize_policy(version, hf_config, tokenizer_json, 1, extra)
+
+    def is_complete(self, version: int) -> bool:
+        return (self.version_path(version) / _MANIFEST).exists()
+
+    def latest_version(self) -> int | None:
+        versions = [int(p.name[1:]) for p in self.root.glob("v*") if p.name[1:].isdigit()
+                    and self.is_complete(int(p.name[1:]))]
+        return max(versions) if versions else None
+
+    def ref(self, version: int) -> PolicyRef:
+        if not self.is_complete(version):
+            raise PolicyStoreError(f"policy v{version} at {self.version_path(version)} is incomplete or missing")
+        meta = json.loads((self.version_path(version) / _MANIFEST).read_text())
+        return PolicyRef(str(self.version_path(version)), version, meta["sha256"], meta["num_bytes"])
+
+    def remove_from(self, version: int) -> None:
+        """Drop versions >= ``version`` (a resumed run regenerates them)."""
+        for p in self.root.glob("v*"):
+            if p.name[1:].isdigit() and int(p.name[1:]) >= version:
+                shutil.rmtree(p)
+
+
+def load_model_folder(path: str | Path, names: set[str] | None = None) -> tuple[dict, str, dict[str, torch.Tensor]]:
+    """(HF config dict, tokenizer.json text, tensors) of an HF model folder; ``names`` limits the
+    tensors read to those a pipeline stage needs."""
+    path = Path(path)
+    try:
+        hf_config = json.loads((path / "config.json").read_text())
+        tok_path = path / "tokenizer.json"
+        tokenizer_json = tok_path.read_text() if tok_path.exists() else ""
+        index = path / "model.safetensors.index.json"
+        files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
+                 else ["model.safetensors"])
+        tensors: dict[str, torch.Tensor] = {}
+        for f in files:
+            for k, v in load_file(str(path / f)).items():
+                if names is None or k in names:
+                    tensors[k] = v
+    except Exception as exc:
+        raise PolicyStoreError(f"cannot load the model folder {path}: {exc}") from exc
+    return hf_config, tokenizer_json, tensors
+
+
+__all__.append("load_model_folder")

@@ -1,0 +1,197 @@
+"""The Zarr rollout store: one group per step, one row per completion, groups never split.
+
+``runs/<run>/rollouts.zarr/step_<k>/`` holds the per-sample arrays of :data:`ARRAYS`. Chunks along
+the sample axis are whole multiples of G, so a task that owns a chunk-aligned range of groups can
+write it without locks. A step group's attributes record its group_size, the policy_version that
+generated it, the config hash and which stages are complete; a stage is marked complete only
+after all its arrays are written, and attribute updates are serialised with a file lock so two
+stages finishing at once cannot lose each other's mark.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import zarr
+
+__all__ = ["RolloutStoreError", "StepRef", "StepLayout", "ARRAYS", "RolloutStore"]
+
+
+class RolloutStoreError(RuntimeError):
+    """A rollout-store read or write failed; the message names the step and array."""
+
+
+# name -> (dtype, per-sample trailing shape key): "" scalar, "prompt" [prompt_width], "gen" [max_new]
+ARRAYS: dict[str, tuple[str, str]] = {
+    "prompt_ids": ("int32", "prompt"),
+    "prompt_len": ("int32", ""),
+    "tokens": ("int32", "gen"),
+    "length": ("int32", ""),
+    "behav_logp": ("float32", "gen"),
+    "ref_logp": ("float32", "gen"),
+    "reward": ("float32", ""),
+    "reward_failed": ("bool", ""),
+    "advantage": ("float32", ""),
+    "group_id": ("int64", ""),
+    "policy_version": ("int32", ""),
+    "finish_reason": ("int8", ""),
+}
+
+
+@dataclass(frozen=True)
+class StepRef:
+    """A small, picklable handle on one step's group: what edges of the Dask graph carry."""
+
+    root: str
+    step: int
+
+    @property
+    def path(self) -> str:
+        return f"{self.root}/step_{self.step}"
+
+    def __str__(self) -> str:
+        return f"step={self.step}@{self.root}"
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    num_prompts: int
+    group_size: int
+    prompt_width: int
+    max_new_tokens: int
+    groups_per_chunk: int = 4
+
+    @property
+    def num_samples(self) -> int:
+        return self.num_prompts * self.group_size
+
+    @property
+    def chunk_samples(self) -> int:
+        return self.group_size * min(self.groups_per_chunk, self.num_prompts)
+
+
+class RolloutStore:
+    """Read and write the step groups of one run's ``rollouts.zarr``."""
+
+    def __init__(self, root: str | Path):
+        self.root = str(root)
+
+    def ref(self, step: int) -> StepRef:
+        return StepRef(self.root, step)
+
+    # -- creation and completion ------------------------------------------------------------
+    def create_step(self, step: int, layout: StepLayout, policy_version: int, config_hash: str) -> StepRef:
+        """Create (or recreate) the arrays of a step. Existing complete stages are forgotten."""
+        try:
+            root = zarr.open_group(self.root, mode="a")
+            group = root.create_group(f"step_{step}", overwrite=True)
+            trailing = {"": (), "prompt": (layout.prompt_width,), "gen": (layout.max_new_tokens,)}
+            for name, (dtype, kind) in ARRAYS.items():
+                tail = trailing[kind]
+                group.create_array(name, shape=(layout.num_samples, *tail),
+                                   chunks=(layout.chunk_samples, *tail), dtype=dtype,
+                                   fill_value=False if dtype == "bool" else 0)
+            group.attrs.update({
+                "group_size": layout.group_size,
+                "num_prompts": layout.num_prompts,
+                "prompt_width": layout.prompt_width,
+                "max_new_tokens": layout.max_new_tokens,
+                "chunk_samples": layout.chunk_samples,
+                "policy_version": policy_version,
+                "config_hash": config_hash,
+                "complete": [],
+            })
+        except Exception as exc:
+            raise RolloutStoreError(f"cannot create {self.ref(step)}: {exc}") from exc
+        return self.ref(step)
+
+    def has_step(self, step: int) -> bool:
+        return (Path(self.root) / f"step_{step}" / "zarr.json").exists()
+
+    def attrs(self, step: int) -> dict:
+        try:
+            return dict(zarr.open_group(self.ref(step).path, mode="r").attrs)
+        except Exception as exc:
+            raise RolloutStoreError(f"cannot read the attributes of {self.ref(step)}: {exc}") from exc
+
+    def layout(self, step: int) -> StepLayout:
+        a = self.attrs(step)
+        return StepLayout(a["num_prompts"], a["group_size"], a["prompt_width"], a["max_new_tokens"],
+                          a["chunk_samples"] // a["group_size"])
+
+    @contextlib.contextmanager
+    def _locked(self, step: int) -> Iterator[None]:
+        lock_path = Path(self.root) / f"step_{step}.lock"
+        with open(lock_path, "a") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def mark_complete(self, step: int, stage: str, **extra_attrs) -> None:
+        """Record that ``stage`` has written all of its outputs (call only after writing them)."""
+        if not self.has_step(step):
+            raise RolloutStoreError(f"cannot mark {stage} complete: {self.ref(step)} does not exist")
+        with self._locked(step):
+            group = zarr.open_group(self.ref(step).path, mode="r+")
+            done = list(group.attrs.get("complete", []))
+            if stage not in done:
+                done.append(stage)
+            group.attrs.update({"complete": done, **extra_attrs})
+
+    def completed(self, step: int) -> set[str]:
+        if not self.has_step(step):
+            return set()
+        return set(self.attrs(step).get("complete", []))
+
+    # -- arrays ---------------------------------------------------------------------------------
+    def write(self, step: int, name: str, values: np.ndarray, start: int = 0) -> None:
+        """Write rows [start, start + len(values)) of one array; the range must be chunk-aligned
+        unless this is the array's only writer."""
+        if name not in ARRAYS:
+            raise RolloutStoreError(f"{self.ref(step)} has no array {name!r}")
+        try:
+            arr = zarr.open_array(f"{self.ref(step).path}/{name}", mode="r+")
+            values = np.asarray(values)
+            if values.shape[1:] != arr.shape[1:] or start < 0 or start + len(values) > arr.shape[0]:
+                raise ValueError(f"values of shape {values.shape} at row {start} do not fit {arr.shape}")
+            arr[start:start + len(values)] = values.astype(arr.dtype, copy=False)
+        except Exception as exc:
+            raise RolloutStoreError(f"cannot write {name} of {self.ref(step)}: {exc}") from exc
+
+    def read(self, step: int, *names: str, start: int = 0, stop: int | None = None) -> dict[str, np.ndarray]:
+        out = {}
+        for name in names:
+            try:
+                arr = zarr.open_array(f"{self.ref(step).path}/{name}", mode="r")
+                out[name] = arr[start:stop]
+            except Exception as exc:
+                raise RolloutStoreError(f"cannot read {name} of {self.ref(step)}: {exc}") from exc
+        return out
+
+    def array_path(self, step: int, name: str) -> str:
+        return f"{self.ref(step).path}/{name}"
+
+    def digest(self, step: int) -> str:
+        """A content digest of a step group: its metadata files and chunk bytes."""
+        import hashlib
+
+        h = hashlib.sha256()
+        base = Path(self.ref(step).path)
+        for path in sorted(base.rglob("*")):
+            if path.is_file():
+                h.update(str(path.relative_to(base)).encode())
+                h.update(path.read_bytes())
+        return h.hexdigest()[:16]
+
+    def steps(self) -> list[int]:
+        if not os.path.isdir(self.root):
+            return []
+        return sorted(int(p.name[5:]) for p in Path(self.root).glob("step_*") if p.is_dir())

@@ -1,0 +1,64 @@
+"""Shared keyword factories for the tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from stages.policy import DecoderConfig, build_stage
+
+
+def make_decoder_config(**overrides) -> DecoderConfig:
+    fields = dict(vocab_size=17, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    fields.update(overrides)
+    return DecoderConfig(**fields)
+
+
+def make_model(cfg: DecoderConfig | None = None, seed: int = 0, std: float = 0.2):
+    model = build_stage(cfg or make_decoder_config())
+    model.init_weights(torch.Generator().manual_seed(seed), std=std)
+    return model
+
+
+def make_rollout_arrays(model, num_groups: int = 4, group_size: int = 4, prompt_width: int = 5,
+                        max_new_tokens: int = 6, seed: int = 0, noise: float = 0.05) -> dict[str, np.ndarray]:
+    """Stored-rollout arrays whose behaviour and reference log-probs are the model's own plus noise,
+    as they are in a real step (ratios near 1, a small KL)."""
+    from stages.train.batch import build_global_batch
+    from stages.train.loss import token_logp
+
+    rng = np.random.default_rng(seed)
+    n = num_groups * group_size
+    vocab = model.cfg.vocab_size
+    arrays = dict(
+        prompt_ids=rng.integers(3, vocab, (n, prompt_width)).astype(np.int32),
+        prompt_len=rng.integers(2, prompt_width + 1, n).astype(np.int32),
+        tokens=rng.integers(3, vocab, (n, max_new_tokens)).astype(np.int32),
+        length=rng.integers(1, max_new_tokens + 1, n).astype(np.int32),
+        behav_logp=np.zeros((n, max_new_tokens), np.float32),
+        ref_logp=np.zeros((n, max_new_tokens), np.float32),
+        advantage=rng.normal(size=n).astype(np.float32),
+    )
+    batch = build_global_batch(arrays, "token-mean", 0)
+    with torch.no_grad():
+        logp = token_logp(model(batch.input_ids), batch.target[..., 0], 1.0).numpy()
+    for i in range(n):
+        p, L = arrays["prompt_len"][i], arrays["length"][i]
+        own = logp[i, p - 1 : p - 1 + L]
+        arrays["behav_logp"][i, :L] = own + rng.normal(scale=noise, size=L)
+        arrays["ref_logp"][i, :L] = own + rng.normal(scale=noise, size=L)
+    return arrays
+
+
+@pytest.fixture
+def decoder_config():
+    return make_decoder_config()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    # Tiny tensors: a thread pool only adds contention on a shared 2-core machine.
+    torch.set_num_threads(1)
+    yield

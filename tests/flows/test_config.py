@@ -1,0 +1,43 @@
+"""Config loading: overrides apply, and bad input is one line naming the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from flows.config import load_config
+from stages.config import ConfigError
+
+
+def test_tiny_config_loads_with_overrides():
+    cfg = load_config("configs/tiny.yaml", ["iterations=2", "train.schedule=gpipe"])
+    assert cfg.iterations == 2 and cfg.train.schedule == "gpipe"
+    assert cfg.train.pipeline_model_parallel_size == 2
+
+
+@pytest.mark.parametrize("override, key", [
+    ("train.no_such_key=1", "train.no_such_key"),
+    ("train.micro_batch_size=abc", "train.micro_batch_size"),
+    ("train.pipeline_model_parallel_size=9", "train.pipeline_model_parallel_size"),
+    ("train.schedule=zigzag", "train.schedule"),
+    ("train.micro_batch_size=48", "train.micro_batch_size"),
+    ("rollout.group_size=1", "rollout.group_size"),
+    ("advantage.estimator=ppo", "advantage.estimator"),
+    ("run_name=a/b", "run_name"),
+])
+def test_bad_values_name_the_key_in_one_line(override, key):
+    with pytest.raises(ConfigError) as info:
+        load_config("configs/tiny.yaml", [override])
+    message = str(info.value)
+    assert key in message and "\n" not in message
+
+
+def test_1f1b_needs_as_many_microbatches_as_stages():
+    with pytest.raises(ConfigError, match="micro_batch_size"):
+        load_config("configs/tiny.yaml", ["train.micro_batch_size=128"])
+
+
+def test_missing_file_and_bad_override_form():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("configs/nope.yaml")
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config("configs/tiny.yaml", ["iterations"])

@@ -1,0 +1,149 @@
+"""Policy versions as HF model folders: written by PolicyStore, read by transformers and by us."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from stages.policy import DecoderConfig, build_stage, hf_state, load_hf_state, stage_hf_names
+from stages.tasks.addition import make_tokenizer_json
+from storage.policies import PolicyStore, PolicyStoreError, load_model_folder
+
+transformers = pytest.importorskip("transformers")
+
+_LOGITS_ATOL = 1e-5  # same fp32 weights, two implementations
+
+
+
+def make_cfg(**overrides) -> DecoderConfig:
+    fields = dict(vocab_size=15, hidden_size=16, intermediate_size=24, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=6, rope_theta=300.0,
+                  model_type="llama", bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    fields.update(overrides)
+    return DecoderConfig(**fields)
+
+
+def make_model(cfg: DecoderConfig, seed: int = 0, stage: int = 0, num_stages: int = 1):
+    """A stage whose every tensor is random, biases and norms included."""
+    full = build_stage(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in full.named_parameters():
+            noise = torch.randn(p.shape, generator=gen) * 0.3
+            p.copy_(1.0 + noise if name.endswith("norm.weight") else noise)
+    if num_stages == 1:
+        return full.eval()
+    part = build_stage(cfg, stage, num_stages)
+    load_hf_state(part, hf_state(full))
+    return part.eval()
+
+
+def make_ids(cfg: DecoderConfig) -> torch.Tensor:
+    return torch.randint(0, cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
+
+
+def assert_transformers_agrees(path: str, model, cfg: DecoderConfig) -> None:
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    assert type(hf_model).__name__ == cfg.to_hf()["architectures"][0]
+    ids = make_ids(cfg)
+    with torch.no_grad():
+        assert (hf_model(ids).logits.float() - model(ids)).abs().max().item() <= _LOGITS_ATOL
+
+
+@pytest.mark.parametrize("overrides", [
+    pytest.param(dict(), id="llama"),
+    pytest.param(dict(tie_word_embeddings=True, attention_bias=True), id="llama-tied-bias"),
+    pytest.param(dict(model_type="qwen2", attention_bias=True), id="qwen2"),
+])
+def test_saved_policy_loads_in_transformers(tmp_path, overrides):
+    cfg = make_cfg(**overrides)
+    model = make_model(cfg)
+    store = PolicyStore(tmp_path / "policy")
+    ref = store.save_policy(0, cfg.to_hf(), make_tokenizer_json(), hf_state(model))
+    assert ref.version == 0 and ref.path == str(store.version_path(0))
+    assert ref.num_bytes > 0 and len(ref.sha256) == 64
+    assert store.ref(0) == ref
+    assert_transformers_agrees(ref.path, model, cfg)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_two_pipeline_shards_load_in_transformers(tmp_path, tied):
+    cfg = make_cfg(tie_word_embeddings=tied, model_type="qwen2", attention_bias=True)
+    store = PolicyStore(tmp_path)
+    stages = [make_model(cfg, stage=s, num_stages=2) for s in range(2)]
+    for s, stage in enumerate(stages):  # each pipeline rank writes its own shard
+        assert store.save_shard(3, s, 2, hf_state(stage)) > 0
+    assert not store.is_complete(3)
+    ref = store.finalize_policy(3, cfg.to_hf(), make_tokenizer_json(), 2, extra={"step": 3})
+    assert store.is_complete(3) and store.latest_version() == 3
+    index = json.loads((tmp_path / "v3" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(stage_hf_names(stages[0])) | set(stage_hf_names(stages[1]))
+    assert set(index["weight_map"].values()) == {"model-00001-of-00002.safetensors",
+                                                 "model-00002-of-00002.safetensors"}
+    manifest = json.loads((tmp_path / "v3" / "grpoflow.json").read_text())
+    assert manifest["step"] == 3 and manifest["sha256"] == ref.sha256
+    assert_transformers_agrees(ref.path, make_model(cfg), cfg)
+
+
+def test_load_model_folder_round_trips(tmp_path):
+    cfg = make_cfg(tie_word_embeddings=True)
+    tensors = hf_state(make_model(cfg))
+    store = PolicyStore(tmp_path)
+    ref = store.save_policy(1, cfg.to_hf(), make_tokenizer_json(), tensors)
+    hf_config, tokenizer_json, loaded = load_model_folder(ref.path)
+    assert hf_config == cfg.to_hf() and DecoderConfig.from_hf(hf_config) == cfg
+    assert tokenizer_json == make_tokenizer_json()
+    assert loaded.keys() == tensors.keys()
+    for name, t in tensors.items():
+        assert loaded[name].dtype == t.dtype and torch.equal(loaded[name], t), name
+    # A pipeline stage reads only its own tensors.
+    last = build_stage(cfg, 1, 2)
+    _, _, part = load_model_folder(ref.path, names=set(stage_hf_names(last)))
+    assert set(part) == set(stage_hf_names(last))
+    load_hf_state(last, part)
+
+
+def test_load_model_folder_names_the_folder(tmp_path):
+    with pytest.raises(PolicyStoreError, match="nowhere"):
+        load_model_folder(tmp_path / "nowhere")
+
+
+def test_incomplete_version_is_never_listed(tmp_path):
+    cfg = make_cfg()
+    tensors = hf_state(make_model(cfg))
+    store = PolicyStore(tmp_path)
+    assert store.latest_version() is None
+    with pytest.raises(PolicyStoreError, match="v0"):
+        store.ref(0)
+    store.save_policy(1, cfg.to_hf(), make_tokenizer_json(), tensors)
+    store.save_shard(2, 0, 1, tensors)  # a writer died before finalize_policy
+    store.save_shard(10, 0, 2, tensors)
+    assert store.is_complete(1) and not store.is_complete(2) and not store.is_complete(10)
+    assert store.latest_version() == 1
+    with pytest.raises(PolicyStoreError, match="v2"):
+        store.ref(2)
+    # Finalizing with a shard missing fails and leaves the version incomplete.
+    with pytest.raises(PolicyStoreError, match="model-00002-of-00002"):
+        store.finalize_policy(10, cfg.to_hf(), make_tokenizer_json(), 2)
+    assert store.latest_version() == 1
+
+
+def test_manifest_hash_changes_with_the_weights(tmp_path):
+    cfg = make_cfg()
+    store = PolicyStore(tmp_path)
+    a = store.save_policy(0, cfg.to_hf(), "", hf_state(make_model(cfg, seed=0)))
+    b = store.save_policy(1, cfg.to_hf(), "", hf_state(make_model(cfg, seed=0)))
+    c = store.save_policy(2, cfg.to_hf(), "", hf_state(make_model(cfg, seed=1)))
+    assert a.sha256 == b.sha256 != c.sha256
+
+
+def test_remove_from_drops_later_versions(tmp_path):
+    cfg = make_cfg()
+    store = PolicyStore(tmp_path)
+    tensors = hf_state(make_model(cfg))
+    for v in (0, 1, 2):
+        store.save_policy(v, cfg.to_hf(), "", tensors)
+    store.remove_from(1)
+    assert store.latest_version() == 0 and not store.version_path(1).exists()

@@ -1,0 +1,216 @@
+"""The Zarr rollout store: layout, chunk-aligned writes, attributes, completion marks, errors."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+
+import numpy as np
+import pytest
+import zarr
+
+from storage.rollouts import ARRAYS, RolloutStore, RolloutStoreError, StepLayout
+
+
+def make_layout(**overrides) -> StepLayout:
+    fields = dict(num_prompts=6, group_size=3, prompt_width=5, max_new_tokens=4, groups_per_chunk=2)
+    fields.update(overrides)
+    return StepLayout(**fields)
+
+
+def make_store(tmp_path, step: int = 0, layout: StepLayout | None = None, policy_version: int = 2,
+               config_hash: str = "cfg-abc") -> RolloutStore:
+    store = RolloutStore(tmp_path / "rollouts.zarr")
+    store.create_step(step, layout or make_layout(), policy_version=policy_version, config_hash=config_hash)
+    return store
+
+
+def make_values(name: str, layout: StepLayout, seed: int = 0) -> np.ndarray:
+    """Random rows of one ARRAYS entry over the whole step."""
+    dtype, kind = ARRAYS[name]
+    tail = {"": (), "prompt": (layout.prompt_width,), "gen": (layout.max_new_tokens,)}[kind]
+    rng = np.random.default_rng(seed)
+    shape = (layout.num_samples, *tail)
+    if dtype == "bool":
+        return rng.random(shape) < 0.5
+    if dtype.startswith("float"):
+        return rng.standard_normal(shape).astype(dtype)
+    return rng.integers(-100, 100, shape).astype(dtype)
+
+
+def test_write_chunk_aligned_ranges_and_read_back(tmp_path):
+    layout = make_layout()
+    store = make_store(tmp_path, step=7, layout=layout)
+    chunk = layout.chunk_samples
+    for name in ARRAYS:
+        values = make_values(name, layout, seed=len(name))
+        for start in range(0, layout.num_samples, chunk):  # one writer per chunk, as the flows do
+            store.write(7, name, values[start:start + chunk], start=start)
+        got = store.read(7, name)[name]
+        assert got.dtype == np.dtype(ARRAYS[name][0]), name
+        assert np.array_equal(got, values), name
+        part = store.read(7, name, start=chunk, stop=2 * chunk)[name]
+        assert np.array_equal(part, values[chunk:2 * chunk]), name
+    assert store.steps() == [7] and store.has_step(7) and not store.has_step(8)
+
+
+def test_unwritten_arrays_read_as_zero(tmp_path):
+    layout = make_layout()
+    out = make_store(tmp_path, layout=layout).read(0, "reward", "reward_failed", "tokens")
+    assert np.all(out["reward"] == 0) and not out["reward_failed"].any()
+    assert out["tokens"].shape == (layout.num_samples, layout.max_new_tokens)
+
+
+@pytest.mark.parametrize("num_prompts,group_size,groups_per_chunk", [(6, 3, 2), (5, 4, 2), (3, 8, 4),
+                                                                     (1, 16, 4), (7, 1, 3)])
+def test_chunks_are_whole_groups(tmp_path, num_prompts, group_size, groups_per_chunk):
+    layout = make_layout(num_prompts=num_prompts, group_size=group_size, groups_per_chunk=groups_per_chunk)
+    store = make_store(tmp_path, layout=layout)
+    for name in ARRAYS:
+        arr = zarr.open_array(store.array_path(0, name), mode="r")
+        assert arr.shape[0] == num_prompts * group_size, name
+        assert arr.chunks[0] % group_size == 0 and arr.chunks[0] > 0, name
+        assert arr.chunks[0] == group_size * min(groups_per_chunk, num_prompts), name
+        assert arr.chunks[1:] == arr.shape[1:], name  # a sample's row is never split
+
+
+def test_attrs_record_lineage_and_layout(tmp_path):
+    layout = make_layout(num_prompts=4, group_size=8)
+    store = make_store(tmp_path, step=3, layout=layout, policy_version=11, config_hash="deadbeef")
+    attrs = store.attrs(3)
+    assert attrs["group_size"] == 8 and attrs["policy_version"] == 11 and attrs["config_hash"] == "deadbeef"
+    assert attrs["complete"] == []
+    assert store.layout(3) == layout
+
+
+def test_create_step_again_forgets_marks_and_data(tmp_path):
+    layout = make_layout()
+    store = make_store(tmp_path, layout=layout)
+    store.write(0, "reward", np.ones(layout.num_samples))
+    store.mark_complete(0, "score")
+    store.create_step(0, layout, policy_version=3, config_hash="other")
+    assert store.completed(0) == set() and store.attrs(0)["policy_version"] == 3
+    assert np.all(store.read(0, "reward")["reward"] == 0)
+
+
+def test_mark_complete_keeps_order_free_marks_and_extra_attrs(tmp_path):
+    store = make_store(tmp_path)
+    assert store.completed(99) == set()
+    store.mark_complete(0, "rollout", tokens_per_s=12.5)
+    store.mark_complete(0, "rollout")
+    store.mark_complete(0, "score")
+    assert store.completed(0) == {"rollout", "score"}
+    assert store.attrs(0)["complete"] == ["rollout", "score"]
+    assert store.attrs(0)["tokens_per_s"] == 12.5
+
+
+_NUM_MARKERS = 8
+
+
+def test_concurrent_marks_from_threads_are_all_kept(tmp_path):
+    store = make_store(tmp_path)
+    barrier = threading.Barrier(_NUM_MARKERS)
+    errors: list[BaseException] = []
+
+    def mark(i: int) -> None:
+        try:
+            barrier.wait()
+            store.mark_complete(0, f"stage{i}")
+        except BaseException as exc:  # surfaced below; a thread's exception is otherwise lost
+            errors.append(exc)
+
+    threads = [threading.Thread(target=mark, args=(i,)) for i in range(_NUM_MARKERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert store.completed(0) == {f"stage{i}" for i in range(_NUM_MARKERS)}
+
+
+def _mark_many(root: str, step: int, prefix: str, count: int, barrier) -> None:
+    """Child-process body: many marks, so the two writers' read-modify-writes overlap."""
+    store = RolloutStore(root)
+    barrier.wait()
+    for i in range(count):
+        store.mark_complete(step, f"{prefix}{i}")
+
+
+def test_concurrent_marks_from_processes_are_all_kept(tmp_path):
+    store = make_store(tmp_path)
+    ctx = multiprocessing.get_context("spawn")
+    barrier, count = ctx.Barrier(2), 10
+    procs = [ctx.Process(target=_mark_many, args=(store.root, 0, prefix, count, barrier))
+             for prefix in ("score", "ref_logp")]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert store.completed(0) == {f"{prefix}{i}" for prefix in ("score", "ref_logp") for i in range(count)}
+
+
+@pytest.mark.parametrize("name,bad_shape", [("tokens", (18, 5)), ("prompt_ids", (18, 4)),
+                                            ("reward", (18, 1)), ("length", (19,))])
+def test_wrong_shape_names_the_array_and_changes_nothing(tmp_path, name, bad_shape):
+    layout = make_layout()  # 18 samples, prompt_width 5, max_new_tokens 4
+    store = make_store(tmp_path, layout=layout)
+    before = make_values(name, layout, seed=3)
+    store.write(0, name, before)
+    with pytest.raises(RolloutStoreError, match=name):
+        store.write(0, name, np.full(bad_shape, 7, dtype=ARRAYS[name][0]))
+    assert np.array_equal(store.read(0, name)[name], before)
+
+
+def test_write_past_the_end_raises_and_changes_nothing(tmp_path):
+    layout = make_layout()
+    store = make_store(tmp_path, layout=layout)
+    before = make_values("advantage", layout)
+    store.write(0, "advantage", before)
+    with pytest.raises(RolloutStoreError, match="advantage"):
+        store.write(0, "advantage", np.ones(layout.chunk_samples, np.float32), start=layout.num_samples - 1)
+    assert np.array_equal(store.read(0, "advantage")["advantage"], before)
+
+
+def test_unknown_array_name_raises(tmp_path):
+    store = make_store(tmp_path)
+    with pytest.raises(RolloutStoreError, match="'logits'"):
+        store.write(0, "logits", np.zeros(18))
+    with pytest.raises(RolloutStoreError, match="logits"):
+        store.read(0, "logits")
+
+
+def test_reading_an_unknown_step_raises(tmp_path):
+    store = make_store(tmp_path, step=0)
+    with pytest.raises(RolloutStoreError, match="step=5"):
+        store.read(5, "tokens")
+    with pytest.raises(RolloutStoreError, match="step=5"):
+        store.attrs(5)
+    with pytest.raises(RolloutStoreError, match="step=5"):
+        store.write(5, "tokens", np.zeros((18, 4), np.int32))
+    empty = RolloutStore(tmp_path / "absent.zarr")
+    assert empty.steps() == []
+    with pytest.raises(RolloutStoreError):
+        empty.read(0, "tokens")
+
+
+def test_digest_follows_content(tmp_path):
+    layout = make_layout()
+    store = make_store(tmp_path, layout=layout)
+    first = store.digest(0)
+    assert store.digest(0) == first
+    store.write(0, "reward", np.arange(layout.num_samples, dtype=np.float32))
+    assert store.digest(0) != first
+
+
+def test_marking_an_unknown_step_raises(tmp_path):
+    store = make_store(tmp_path, step=0)
+    with pytest.raises(RolloutStoreError, match="step=5"):
+        store.mark_complete(5, "score")
+    assert not store.has_step(5) and store.completed(5) == set()
+
+
+def test_negative_start_raises(tmp_path):
+    store = make_store(tmp_path)
+    with pytest.raises(RolloutStoreError, match="reward"):
+        store.write(0, "reward", np.ones(3, np.float32), start=-3)

@@ -1,0 +1,388 @@
+"""Plan configuration: YAML on disk (OmegaConf, ``key=value`` overrides) -> frozen typed dataclasses.
+
+Section and key names follow the runtime config (NeMo/Megatron names in ``train``). Every field is
+documented once, in the docstring under it. Bad input raises :class:`PlanConfigError` with one line
+naming the key and the fix. Top-level sections the planner does not model (e.g. ``storage``) are
+ignored, so a runtime config can be planned as is; unknown keys inside a planner section are errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from planner.constants import GIB
+from planner.model import ModelShape, model_from_hf_config, model_from_preset
+from planner.schedules import ScheduleName
+from planner.validate import plan_layout_error
+
+__all__ = [
+    "PlanConfigError",
+    "ModelConfig",
+    "ClusterConfig",
+    "TrainConfig",
+    "WorkloadConfig",
+    "RolloutConfig",
+    "SearchConfig",
+    "PlanConfig",
+    "plan_config_from_dict",
+    "load_plan_config",
+]
+
+Recompute = Literal["none", "selective", "full"]
+Placement = Literal["colocated", "decoupled"]
+
+
+class PlanConfigError(ValueError):
+    """A plan config that cannot be planned; the message names the key and the fix."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    hf_config: str | None = None
+    """Path to an HF ``config.json`` (relative paths resolve against the config file's folder)."""
+    preset: str | None = None
+    """Named shape instead of a file: llama3-70b, llama3-8b, qwen2-7b, qwen2.5-0.5b, qwen2.5-72b."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClusterConfig:
+    num_gpus: int = 64
+    """All GPUs of the job (training plus rollout)."""
+    gpus_per_node: int = 8
+    """GPUs sharing the intra-node (NVLink) fabric."""
+    gpu_memory_gib: float | None = 80.0
+    """Device memory per GPU in GiB; ignored when gpu_memory_bytes is set."""
+    gpu_memory_bytes: int | None = None
+    """Device memory per GPU in bytes (overrides gpu_memory_gib)."""
+    usable_memory_fraction: float = 0.9
+    """Share of device memory a plan may fill; the rest is CUDA context, NCCL buffers, fragmentation."""
+    peak_flops: float = 989e12
+    """Dense bf16 FLOP/s per GPU (H100 SXM: 989 TFLOP/s)."""
+    mfu: float = 0.45
+    """Achieved share of peak_flops for matmul-bound work (training, prefill)."""
+    hbm_bandwidth_bytes_per_s: float = 3.35e12
+    """HBM bandwidth per GPU (H100 SXM: 3.35 TB/s)."""
+    hbm_efficiency: float = 0.8
+    """Achieved share of HBM bandwidth in memory-bound decode."""
+    intra_node_bandwidth_bytes_per_s: float = 450e9
+    """Per-GPU, per-direction NVLink bandwidth (H100 NVLink4: 450 GB/s)."""
+    inter_node_bandwidth_bytes_per_s: float = 50e9
+    """Per-GPU, per-direction network bandwidth (one 400 Gb/s NDR NIC per GPU: 50 GB/s)."""
+    collective_latency_s: float = 10e-6
+    """Fixed cost of one small collective or p2p message (NCCL over NVLink, order 10 us)."""
+    host_bandwidth_bytes_per_s: float = 25e9
+    """Achieved GPU<->host copy bandwidth (PCIe Gen5 x16), used to offload optimiser state."""
+
+    @property
+    def memory_bytes(self) -> int:
+        """Device memory per GPU in bytes."""
+        if self.gpu_memory_bytes is not None:
+            return int(self.gpu_memory_bytes)
+        return int(float(self.gpu_memory_gib or 0.0) * GIB)
+
+    @property
+    def memory_cap_bytes(self) -> float:
+        """What a plan may use per GPU: memory_bytes * usable_memory_fraction."""
+        return self.memory_bytes * self.usable_memory_fraction
+
+    def __post_init__(self) -> None:
+        _require(self.num_gpus >= 1, "cluster.num_gpus", "must be >= 1")
+        _require(self.gpus_per_node >= 1, "cluster.gpus_per_node", "must be >= 1")
+        _require(self.memory_bytes > 0, "cluster.gpu_memory_gib", "set gpu_memory_gib or gpu_memory_bytes > 0")
+        for key in ("usable_memory_fraction", "mfu", "hbm_efficiency"):
+            _require(0 < getattr(self, key) <= 1, f"cluster.{key}", "must be in (0, 1]")
+        for key in ("peak_flops", "hbm_bandwidth_bytes_per_s", "intra_node_bandwidth_bytes_per_s",
+                    "inter_node_bandwidth_bytes_per_s", "host_bandwidth_bytes_per_s"):
+            _require(getattr(self, key) > 0, f"cluster.{key}", "must be positive")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    tensor_model_parallel_size: int = 4
+    """TP: ranks sharing each layer's matmuls (Megatron column/row parallel); stays inside a node."""
+    pipeline_model_parallel_size: int = 8
+    """PP: pipeline ranks."""
+    data_parallel_size: int = 2
+    """DP: model replicas; TP * PP * DP must equal the training GPUs."""
+    virtual_pipeline_model_parallel_size: int = 1
+    """v: model chunks per pipeline rank (interleaved-1f1b: >= 2; zbv / dualpipev: exactly 2)."""
+    micro_batch_size: int = 1
+    """Sequences per microbatch."""
+    global_batch_size: int | None = None
+    """Sequences per optimiser step; default all prompts_per_step * group_size samples (one update a step)."""
+    schedule: ScheduleName = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv, dualpipev."""
+    recompute: Recompute = "selective"
+    """Activation recomputation: none, selective (core attention; Korthikanti 2022), full (every layer)."""
+    distributed_optimizer: bool = True
+    """Shard fp32 master weights and Adam moments over DP (Megatron distributed optimiser / ZeRO-1)."""
+    sequence_parallel: bool = True
+    """Shard norm/dropout activations over TP along the sequence (Korthikanti 2022, Sec. 4.2.2)."""
+    attention: Literal["flash", "flash-masked", "eager"] = "flash"
+    """flash keeps no s x s scores for backward; flash-masked also keeps an explicit (b, 1, s, s) mask (packed
+    documents); eager keeps the softmax output."""
+    grad_dtype_bytes: int = 4
+    """Bytes per gradient element (Megatron accumulates main grads in fp32)."""
+    clip_eps_low: float = 0.2
+    """PPO/GRPO clip: ratios below 1 - clip_eps_low stop contributing when A < 0."""
+    clip_eps_high: float = 0.28
+    """Clip-higher upper bound (DAPO, Yu et al. 2025): ratios above 1 + clip_eps_high stop when A > 0."""
+
+    @property
+    def training_gpus(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.data_parallel_size
+
+    def __post_init__(self) -> None:
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
+                    "virtual_pipeline_model_parallel_size", "micro_batch_size"):
+            _require(getattr(self, key) >= 1, f"train.{key}", "must be >= 1")
+        _require(self.grad_dtype_bytes in (2, 4), "train.grad_dtype_bytes", "use 2 (bf16) or 4 (fp32)")
+        _require(0 < self.clip_eps_low < 1, "train.clip_eps_low", "must be in (0, 1)")
+        _require(self.clip_eps_high > 0, "train.clip_eps_high", "must be positive")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkloadConfig:
+    prompts_per_step: int = 64
+    """Prompts sampled per GRPO step."""
+    group_size: int = 8
+    """G: completions per prompt; advantages are normalised inside each group."""
+    prompt_len: int = 1024
+    """Prompt tokens (training sequences are padded to prompt_len + gen_len)."""
+    gen_len: int = 4096
+    """Maximum generated tokens per completion."""
+    mean_gen_len: int | None = None
+    """Mean generated tokens; default gen_len (every completion runs to the cap, the worst case)."""
+
+    @property
+    def num_samples(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+    @property
+    def mean_generated(self) -> int:
+        return self.gen_len if self.mean_gen_len is None else self.mean_gen_len
+
+    def __post_init__(self) -> None:
+        _require(self.prompts_per_step >= 1, "workload.prompts_per_step", "must be >= 1")
+        _require(self.group_size >= 2, "workload.group_size", "GRPO needs G >= 2 to normalise inside a group")
+        _require(self.prompt_len >= 1, "workload.prompt_len", "must be >= 1")
+        _require(self.gen_len >= 1, "workload.gen_len", "must be >= 1")
+        _require(self.mean_gen_len is None or 1 <= self.mean_gen_len <= self.gen_len,
+                 "workload.mean_gen_len", f"must be between 1 and gen_len ({self.gen_len})")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutConfig:
+    placement: Placement = "colocated"
+    """colocated: rollout and training take turns on all GPUs; decoupled: rollout_gpus run only rollout."""
+    rollout_gpus: int | None = None
+    """GPUs dedicated to rollout when decoupled (training gets the rest); unset when colocated."""
+    rollout_tensor_parallel_size: int = 4
+    """TP of each inference engine; engines = rollout GPUs / this."""
+    staleness: int = 0
+    """k: policy versions a rollout may lag the trainer (0 = synchronous on-policy)."""
+    kv_dtype_bytes: int = 2
+    """Bytes per KV-cache element (2 = bf16, 1 = fp8 KV)."""
+    page_size: int = 16
+    """Tokens per KV page (PagedAttention block; vLLM's default 16)."""
+    share_prefix: bool = True
+    """The G samples of a prompt share one prefix KV (how the runtime's engine allocates)."""
+    batching: Literal["static", "continuous"] = "static"
+    """static: a wave of groups decodes in lockstep to gen_len; continuous: finished slots refill at once."""
+    speculative_draft_tokens: int = 0
+    """gamma: draft tokens proposed per verification step (0 = no speculative decoding)."""
+    speculative_acceptance: float = 0.7
+    """alpha: chance a draft token is accepted (Leviathan et al. 2023)."""
+    draft_cost_ratio: float = 0.05
+    """Cost of one draft-model step relative to one target-model decode step."""
+    kv_on_weight_sync: Literal["recompute", "keep", "drain"] = "recompute"
+    """In-flight sequences at a weight update: recompute their KV, keep stale KV, or drain first."""
+    offload_optimizer: bool = True
+    """Colocated: move optimiser state to host during rollout to make room for the KV cache."""
+    logratio_std_per_step: float = 0.05
+    """sigma_step: std of a token's log(pi_new / pi_old) after one optimiser step (2*KL ~ 2.5e-3)."""
+    logratio_std_mismatch: float = 0.02
+    """sigma_0: std of log(pi_train / pi_rollout) from engine numerics at staleness 0."""
+    drift_hot_token_share: float = 0.2
+    """Share of high-entropy tokens whose log-ratio drifts faster (heavy tail of the drift model)."""
+    drift_hot_std_multiplier: float = 4.0
+    """How many times faster the hot tokens' log-ratio std grows."""
+
+    def __post_init__(self) -> None:
+        _require(self.rollout_gpus is None or self.rollout_gpus >= 1, "rollout.rollout_gpus", "must be >= 1")
+        _require(self.rollout_tensor_parallel_size >= 1, "rollout.rollout_tensor_parallel_size", "must be >= 1")
+        _require(self.staleness >= 0, "rollout.staleness", "must be >= 0")
+        _require(self.kv_dtype_bytes in (1, 2, 4), "rollout.kv_dtype_bytes", "use 1, 2 or 4")
+        _require(self.page_size >= 1, "rollout.page_size", "must be >= 1")
+        _require(self.speculative_draft_tokens >= 0, "rollout.speculative_draft_tokens", "must be >= 0")
+        _require(0 < self.speculative_acceptance < 1, "rollout.speculative_acceptance", "must be in (0, 1)")
+        _require(self.draft_cost_ratio >= 0, "rollout.draft_cost_ratio", "must be >= 0")
+        _require(self.logratio_std_per_step >= 0, "rollout.logratio_std_per_step", "must be >= 0")
+        _require(self.logratio_std_mismatch >= 0, "rollout.logratio_std_mismatch", "must be >= 0")
+        _require(0 <= self.drift_hot_token_share <= 1, "rollout.drift_hot_token_share", "must be in [0, 1]")
+        _require(self.drift_hot_std_multiplier >= 1, "rollout.drift_hot_std_multiplier", "must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SearchConfig:
+    enabled: bool = True
+    """Search layouts (TP, PP, DP, v, schedule, micro-batch, recompute, rollout split)."""
+    top_k: int = 10
+    """Feasible layouts to report, fastest first."""
+    min_headroom_fraction: float = 0.05
+    """Share of the memory cap a recommended layout must leave free (tighter ones are listed, not recommended)."""
+
+    def __post_init__(self) -> None:
+        _require(self.top_k >= 1, "search.top_k", "must be >= 1")
+        _require(0 <= self.min_headroom_fraction < 1, "search.min_headroom_fraction", "must be in [0, 1)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanConfig:
+    """Everything a plan needs; ``model_shape`` is resolved from ``model`` by the loader."""
+
+    model: ModelConfig
+    model_shape: ModelShape
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
+
+    @property
+    def training_gpus(self) -> int:
+        if self.rollout.placement == "colocated":
+            return self.cluster.num_gpus
+        return self.cluster.num_gpus - (self.rollout.rollout_gpus or 0)
+
+    @property
+    def rollout_gpus(self) -> int:
+        return self.cluster.num_gpus if self.rollout.placement == "colocated" else int(self.rollout.rollout_gpus or 0)
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.train.global_batch_size or self.workload.num_samples
+
+    @property
+    def num_microbatches(self) -> int:
+        """m per optimiser step per DP replica: global batch / (DP * micro_batch_size)."""
+        return self.global_batch_size // (self.train.data_parallel_size * self.train.micro_batch_size)
+
+    @property
+    def seq_len(self) -> int:
+        return self.workload.prompt_len + self.workload.gen_len
+
+    def __post_init__(self) -> None:
+        error = plan_layout_error(self)
+        if error:
+            raise PlanConfigError(error)
+
+
+def _require(condition: bool, key: str, fix: str) -> None:
+    if not condition:
+        raise PlanConfigError(f"{key}: {fix}")
+
+
+# ---- parsing ----------------------------------------------------------------------------------------
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig, "cluster": ClusterConfig, "train": TrainConfig,
+    "workload": WorkloadConfig, "rollout": RolloutConfig, "search": SearchConfig,
+}
+
+
+def plan_config_from_dict(data: Mapping[str, Any], *, base_dir: str | Path = ".") -> PlanConfig:
+    """Validate a plain nested dict (parsed YAML) into a :class:`PlanConfig`."""
+    sections: dict[str, Any] = {}
+    for name, cls in _SECTIONS.items():
+        raw = data.get(name) or {}
+        if not isinstance(raw, Mapping):
+            raise PlanConfigError(f"{name}: expected a mapping of keys, got {type(raw).__name__}")
+        sections[name] = _build_section(cls, name, raw)
+    shape = _resolve_model(sections["model"], Path(base_dir))
+    return PlanConfig(model_shape=shape, **sections)
+
+
+def load_plan_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> PlanConfig:
+    """Read YAML at ``path`` with OmegaConf, apply ``key=value`` dotlist overrides, validate."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    path = Path(path)
+    if not path.is_file():
+        raise PlanConfigError(f"config: no file at {path}; pass the path of a plan YAML (e.g. configs/seed-70b.yaml)")
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise PlanConfigError(f"override {item!r}: write overrides as section.key=value, e.g. train.schedule=zbv")
+    try:
+        merged = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides)))
+        data = OmegaConf.to_container(merged, resolve=True)
+    except (OmegaConfBaseException, ValueError) as exc:
+        raise PlanConfigError(f"config {path}: cannot parse ({str(exc).splitlines()[0]})") from exc
+    if not isinstance(data, dict):
+        raise PlanConfigError(f"config {path}: top level must be a mapping of sections")
+    return plan_config_from_dict(data, base_dir=path.parent)
+
+
+def _build_section(cls: type, name: str, raw: Mapping[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in dataclasses.fields(cls)]
+    values = {}
+    for key, value in raw.items():
+        if key not in known:
+            raise PlanConfigError(f"{name}.{key}: unknown key; known keys of {name}: {', '.join(known)}")
+        values[key] = _coerce(value, hints[key], f"{name}.{key}")
+    return cls(**values)
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        if value not in args:
+            raise PlanConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, args))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        return _coerce(value, options[0], key)
+    if hint is bool and not isinstance(value, bool):
+        raise PlanConfigError(f"{key}: expected true or false, got {value!r}")
+    if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise PlanConfigError(f"{key}: expected an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise PlanConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if hint is str and not isinstance(value, str):
+        raise PlanConfigError(f"{key}: expected a string, got {value!r}")
+    return value
+
+
+def _resolve_model(model: ModelConfig, base_dir: Path) -> ModelShape:
+    if (model.hf_config is None) == (model.preset is None):
+        raise PlanConfigError("model: set exactly one of model.hf_config (path to config.json) or model.preset")
+    try:
+        if model.preset is not None:
+            return model_from_preset(model.preset)
+        path = Path(model.hf_config or "")
+        if not path.is_absolute() and not path.exists():
+            path = base_dir / path
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise PlanConfigError(f"model.hf_config: no file at {model.hf_config}; give the path of a config.json")
+        return model_from_hf_config(json.loads(path.read_text()), name=path.parent.name or path.stem)
+    except (ValueError, json.JSONDecodeError) as exc:
+        if isinstance(exc, PlanConfigError):
+            raise
+        raise PlanConfigError(f"model: {exc}") from exc

@@ -41,8 +41,17 @@ class RunSummary:
     metrics: list[dict[str, float]] = field(default_factory=list)
     policy_path: str = ""
 
+    def reward_gain(self) -> tuple[float, float, int]:
+        """(mean reward of the first iterations, of the last ones, window): window = a quarter of the
+        run, at most 10 iterations."""
+        w = max(1, min(10, len(self.reward_mean) // 4))
+        first, last = self.reward_mean[:w], self.reward_mean[-w:]
+        return sum(first) / len(first), sum(last) / len(last), w
+
     def to_json(self) -> dict:
+        first, last, window = self.reward_gain() if self.reward_mean else (float("nan"),) * 2 + (0,)
         return {
+            "reward_first_mean": first, "reward_last_mean": last, "reward_window": window,
             "run_name": self.run_name, "mlflow_run_id": self.mlflow_run_id, "tracking_uri": self.tracking_uri,
             "iterations": self.iterations, "reward_mean": self.reward_mean, "wall_seconds": self.wall_seconds,
             "stage_seconds": {s: sum(v) for s, v in self.stage_seconds.items()},
@@ -172,4 +181,8 @@ def format_summary(summary: RunSummary) -> str:
                      + " ".join(f"{m[f'{s}_seconds']:>7.2f}" for s in STAGES))
     totals = " ".join(f"{sum(v):>7.2f}" for v in summary.stage_seconds.values())
     lines.append(f"{'all':>4} {'':>7} {'':>8} {'':>7} {'':>6} {'':>6} {totals}")
+    if summary.reward_mean:
+        first, last, w = summary.reward_gain()
+        lines.append(f"reward: mean of the first {w} iterations {first:.3f}, of the last {w} {last:.3f} "
+                     f"({last - first:+.3f})")
     return "\n".join(lines)

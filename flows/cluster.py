@@ -1,8 +1,8 @@
 """Dask cluster set-up: an embedded local cluster, or an existing scheduler.
 
-Workers carry resources: ``train`` (one per pipeline rank), ``rollout`` (one per generation
-engine); plain workers take reward, advantage and IO tasks. A task asking for a resource no worker
-has would wait forever in Dask, so :func:`check_pools` fails at start-up instead.
+Workers carry resources: ``train`` (one per training rank, pp x dp x tp of them), ``rollout``
+(one per generation engine); plain workers take reward, advantage and IO tasks. A task asking for a
+resource no worker has would wait forever in Dask, so :func:`check_pools` fails at start-up instead.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class ClusterError(RuntimeError):
 
 @dataclass(frozen=True)
 class Pools:
-    train: tuple[str, ...]  # worker addresses, index = pipeline rank
+    train: tuple[str, ...]  # worker addresses, index = global training rank (stages/train/layout.py)
     rollout: tuple[str, ...]
 
     @property
@@ -44,8 +44,7 @@ def start_cluster(cfg: GRPOConfig) -> tuple[Client, SpecCluster | None]:
     if cfg.cluster.scheduler_address:
         return Client(cfg.cluster.scheduler_address, timeout="30s"), None
     workers: dict[str, dict] = {}
-    pp = cfg.train.pipeline_model_parallel_size
-    for rank in range(pp):
+    for rank in range(cfg.train.world_size):
         res = {"train": 1}
         if cfg.cluster.colocated and rank < cfg.rollout.num_engines:
             res["rollout"] = 1
@@ -68,7 +67,8 @@ def start_cluster(cfg: GRPOConfig) -> tuple[Client, SpecCluster | None]:
 
 def check_pools(client: Client, cfg: GRPOConfig, wait_s: float = 60.0) -> Pools:
     """The train and rollout workers, or a :class:`ClusterError` naming the missing resource."""
-    pp = cfg.train.pipeline_model_parallel_size
+    t = cfg.train
+    world = t.world_size
     try:
         client.wait_for_workers(1, timeout=wait_s)
     except TimeoutError as exc:
@@ -80,10 +80,12 @@ def check_pools(client: Client, cfg: GRPOConfig, wait_s: float = 60.0) -> Pools:
                       key=lambda a: (workers[a].get("name", ""), a))
 
     train, rollout = having("train"), having("rollout")
-    if len(train) < pp:
+    if len(train) < world:
         raise ClusterError(
-            f"train.pipeline_model_parallel_size={pp} needs {pp} workers with the 'train' resource, the "
-            f"cluster has {len(train)}: start workers with --resources train=1")
+            f"train.pipeline_model_parallel_size x data_parallel_size x tensor_model_parallel_size = "
+            f"{t.pipeline_model_parallel_size} x {t.data_parallel_size} x {t.tensor_model_parallel_size} = {world} "
+            f"training ranks need {world} workers with the 'train' resource, the cluster has {len(train)}: "
+            "start workers with --resources train=1")
     if not rollout:
         raise ClusterError("no worker offers the 'rollout' resource: start one with --resources rollout=1")
-    return Pools(tuple(train[:pp]), tuple(rollout[: cfg.rollout.num_engines]))
+    return Pools(tuple(train[:world]), tuple(rollout[: cfg.rollout.num_engines]))

@@ -45,9 +45,8 @@ class IterationResult:
 
 
 def step_layout(cfg: GRPOConfig) -> StepLayout:
-    # The longest prompt of the addition task: "<bos>" + "a+b=" with num_digits-digit operands.
-    prompt_width = 1 + 2 * cfg.task.num_digits + 2
-    return StepLayout(cfg.task.prompts_per_step, cfg.rollout.group_size, prompt_width, cfg.rollout.max_new_tokens)
+    return StepLayout(cfg.task.prompts_per_step, cfg.rollout.group_size, cfg.task.prompt_width,
+                      cfg.rollout.max_new_tokens)
 
 
 def _ranges(num_groups: int, groups_per_chunk: int, parts: int) -> list[tuple[int, int]]:
@@ -64,8 +63,8 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, paths: tasks.RunPaths
     layout = step_layout(cfg)
     gpc = layout.chunk_samples // G
     tok = tokenize(ref, policy.sha256, config_hash(cfg))
-    pp = len(pools.train)
-    train_pin = [dict(workers=[pools.train[r]], resources={"train": 1}, pure=False) for r in range(pp)]
+    world = len(pools.train)  # training ranks: one reference and one train task each
+    train_pin = [dict(workers=[pools.train[r]], resources={"train": 1}, pure=False) for r in range(world)]
     futures: dict[str, list[Future]] = {}
 
     rollout = []
@@ -92,7 +91,7 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, paths: tasks.RunPaths
     reference = []
     if "reference" not in done:
         reference = [client.submit(tasks.reference_task, cfg, ref, *rollout, key=f"reference-{ref.step}-{r}-{tok}",
-                                   **train_pin[r]) for r in range(pp)]
+                                   **train_pin[r]) for r in range(world)]
         futures["reference_work"] = reference
         reference = [client.submit(tasks.mark_complete, ref, "reference", *reference,
                                    key=f"reference-done-{ref.step}-{tok}")]
@@ -105,7 +104,7 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, paths: tasks.RunPaths
 
     new_version = policy.version + 1
     train = [client.submit(tasks.train_task, cfg, ref, paths, new_version, *advantage, *reference,
-                           key=f"train-{ref.step}-{r}-{tok}", **train_pin[r]) for r in range(pp)]
+                           key=f"train-{ref.step}-{r}-{tok}", **train_pin[r]) for r in range(world)]
     futures["train"] = train
     futures["publish"] = [client.submit(tasks.publish_task, paths, new_version, policy, ref.step, *train,
                                         key=f"publish-{ref.step}-{tok}")]
@@ -176,8 +175,13 @@ def _collect(step: int, results: dict[str, list], stage_seconds: dict[str, float
         for r in trains:
             m[f"bubble_fraction_rank{r['rank']}"] = r["metrics"]["bubble_fraction"]
             events.extend(r["events"])
-        last = trains[-1]["metrics"]
-        m.update({k: last[k] for k in ("loss", "kl", "clip_fraction", "grad_norm") if k in last})
+        # Loss metrics come from ranks holding the last stage (reduced over DP there): with a
+        # V-shaped schedule that is pipeline rank 0, not the highest rank.
+        loss_rank = next((r["metrics"] for r in trains if "loss" in r["metrics"]), {})
+        m.update({k: loss_rank[k] for k in ("loss", "kl", "clip_fraction") if k in loss_rank})
+        m["grad_norm"] = trains[0]["metrics"].get("grad_norm", float("nan"))
+        for r in trains:  # activation stash per stage (identical across DP / TP copies)
+            m.update({k: v for k, v in r["metrics"].items() if k.startswith(("activation_bytes", "peak_inflight"))})
         m["bubble_fraction"] = sum(r["metrics"]["bubble_fraction"] for r in trains) / len(trains)
         m["train_step_seconds"] = max(r["metrics"]["step_seconds"] for r in trains)
         m["publish_bytes"] = sum(r["shard_bytes"] for r in trains)

@@ -65,7 +65,9 @@ def run_dir_of(cfg: GRPOConfig) -> Path:
 
 
 def _init_ranks(client, cfg: GRPOConfig, pools: Pools, policy: PolicyRef) -> None:
-    # The rendezvous listens on rank 0's host, on a port free there.
+    # One training rank per train worker: pp x dp x tp global ranks, each deriving its mesh
+    # coordinate from its rank (stages/train/layout.py). The rendezvous listens on rank 0's host,
+    # on a port free there.
     port = client.submit(free_port, workers=[pools.train[0]], pure=False).result()
     init_method = f"tcp://{pools.train_host}:{port}"
     futures = [client.submit(tasks.init_train_rank, cfg, r, init_method, policy, workers=[w],

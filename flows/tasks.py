@@ -8,6 +8,7 @@ with copies of its globals, and state kept there would vanish between tasks.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ from stages.reward import score_samples
 from stages.rollout import SamplingParams, generate
 from stages.tasks.addition import make_prompts, make_tokenizer_json, warmup_pairs
 from stages.train.batch import build_global_batch
-from stages.train.engine import TrainRank, TrainSetup, stage_tensor_names
+from stages.train.engine import InjectedFault, TrainRank, TrainSetup, rank_tensor_names
 from stages.train.loss import LossConfig
 from stages.train.timeline import chrome_events
 from stages.warmup import supervised_warmup
@@ -104,24 +105,43 @@ def make_base_policy(cfg: GRPOConfig, paths: RunPaths, cache_dir: str) -> Policy
     return store.save_policy(0, hf_config, tokenizer_json, tensors, extra={"source": str(cache.version_path(0))})
 
 
+# Test-only: "rank=1,kind=raise[,step=0,microbatch=0,seconds=0]" makes that training rank fail
+# (stages/train/faults.py); worker processes inherit it from the process that starts the cluster.
+TRAIN_FAULT_ENV = "GRPOFLOW_TEST_TRAIN_FAULT"
+
+
+def _faults_from_env() -> tuple[InjectedFault, ...]:
+    spec = os.environ.get(TRAIN_FAULT_ENV, "").strip()
+    if not spec:
+        return ()
+    fields = dict(item.split("=", 1) for item in spec.split(","))
+    types = {"rank": int, "kind": str, "step": int, "microbatch": int, "seconds": float}
+    return (InjectedFault(**{k: types[k](v) for k, v in fields.items()}),)
+
+
 def _train_setup(cfg: GRPOConfig, model_cfg: DecoderConfig) -> TrainSetup:
     t = cfg.train
     return TrainSetup(
-        model=model_cfg, num_stages=t.pipeline_model_parallel_size, num_microbatches=cfg.num_microbatches,
-        schedule=t.schedule, lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
+        model=model_cfg, pipeline_parallel_size=t.pipeline_model_parallel_size,
+        num_microbatches=cfg.num_microbatches, schedule=t.schedule,
+        virtual_stages=t.virtual_pipeline_model_parallel_size, data_parallel_size=t.data_parallel_size,
+        tensor_parallel_size=t.tensor_model_parallel_size, lr=t.lr, weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm,
         loss=LossConfig(t.clip_eps_low, t.clip_eps_high, t.kl_beta, cfg.rollout.temperature),
-        timeout_s=t.timeout_s)
+        logprob_chunk_tokens=t.logprob_chunk_tokens, timeout_s=t.timeout_s, faults=_faults_from_env())
 
 
 def init_train_rank(cfg: GRPOConfig, rank: int, init_method: str, policy: PolicyRef) -> int:
-    """Build this worker's pipeline rank from a policy version; it stays for the whole run."""
+    """Build this worker's training rank (global rank ``rank`` of the pp x dp x tp mesh) from a policy
+    version; it stays for the whole run."""
     _threads()
     shutdown_train_rank(cfg.run_name)
     hf_config, _, _ = load_model_folder(policy.path, names=set())
     model_cfg = DecoderConfig.from_hf(hf_config)
-    names = stage_tensor_names(model_cfg, rank, cfg.train.pipeline_model_parallel_size)
+    setup = _train_setup(cfg, model_cfg)
+    names = rank_tensor_names(model_cfg, setup.layout, setup.layout.coord(rank).pp)
     _, _, tensors = load_model_folder(policy.path, names=names)
-    _TRAIN_RANKS[cfg.run_name] = TrainRank(_train_setup(cfg, model_cfg), rank, init_method, tensors)
+    _TRAIN_RANKS[cfg.run_name] = TrainRank(setup, rank, init_method, tensors)
     return rank
 
 
@@ -209,20 +229,18 @@ def _read_sequences(store: RolloutStore, step: int) -> dict[str, np.ndarray]:
 
 
 def reference_task(cfg: GRPOConfig, ref: StepRef, *deps) -> dict[str, float]:
-    """Forward-only pipeline pass of the frozen reference; the last rank writes ref_logp."""
+    """Forward-only pipeline pass of the frozen reference on every training rank; the rank holding
+    the gathered log-probs (last stage, dp = tp = 0) writes ref_logp."""
     _threads()
     engine = _rank(cfg.run_name)
     t0 = time.perf_counter()
     store = RolloutStore(ref.root)
     a = _read_sequences(store, ref.step)
-    batch = build_global_batch(a, "token-mean", engine.setup.model.pad_token_id or 0)
-    logp = engine.reference_logp(batch.input_ids, batch.target[..., 0].long())
-    if logp is not None:  # the last stage: per-token [N, T] -> per completion token [N, max_new]
-        gw = a["tokens"].shape[1]
-        out = np.zeros((len(a["length"]), gw), dtype=np.float32)
-        for i, (p, n) in enumerate(zip(a["prompt_len"], a["length"])):
-            out[i, :n] = logp[i, p - 1 : p - 1 + n].numpy()
-        store.write(ref.step, "ref_logp", out)
+    batch = build_global_batch(a, "token-mean", engine.setup.model.pad_token_id or 0, cfg.microbatch_layout)
+    stage_kwargs = getattr(batch, "stage_kwargs", lambda: {})()
+    logp = engine.reference_logp(batch.input_ids, batch.target[..., 0].long(), stage_kwargs)
+    if logp is not None:  # per-token [rows, T] -> per completion token [N, max_new]
+        store.write(ref.step, "ref_logp", batch.completion_values(logp))
     return {"reference_seconds": time.perf_counter() - t0}
 
 
@@ -251,19 +269,25 @@ def train_task(cfg: GRPOConfig, ref: StepRef, paths: RunPaths, new_version: int,
     engine = _rank(cfg.run_name)
     store = RolloutStore(ref.root)
     a = _read_sequences(store, ref.step)
-    batch = build_global_batch(a, cfg.train.loss_aggregation, engine.setup.model.pad_token_id or 0)
+    batch = build_global_batch(a, cfg.train.loss_aggregation, engine.setup.model.pad_token_id or 0,
+                               cfg.microbatch_layout)
     result = engine.train_step(batch)
     t0 = time.perf_counter()
-    num_bytes = PolicyStore(paths.policies).save_shard(new_version, engine.rank, engine.setup.num_stages,
-                                                       engine.hf_state())
+    layout, coord = engine.layout, engine.coord
+    num_bytes = 0
+    if coord.dp == 0 and coord.tp == 0:  # one writer per pipeline rank; hf_state gathers TP shards
+        state = engine.hf_state()
+        num_bytes = PolicyStore(paths.policies).save_shard(new_version, coord.pp, layout.pp, state)
+    elif layout.tp > 1 and coord.dp == 0:
+        engine.hf_state()  # a collective over the TP group: its other ranks take part
     return {"rank": engine.rank, "metrics": result.metrics, "window_ns": result.window_ns,
             "events": chrome_events(engine.rank, result.actions, result.window_ns, origin_ns=0),
-            "shard_bytes": num_bytes, "shard_seconds": time.perf_counter() - t0}
+            "shard_bytes": num_bytes, "num_shards": layout.pp, "shard_seconds": time.perf_counter() - t0}
 
 
 def publish_task(paths: RunPaths, new_version: int, base: PolicyRef, step: int, *rank_results) -> PolicyRef:
     """Finish the new policy version once every rank's shard is written."""
     hf_config, tokenizer_json, _ = load_model_folder(base.path, names=set())
     policies = PolicyStore(paths.policies)
-    return policies.finalize_policy(new_version, hf_config, tokenizer_json, len(rank_results),
-                                    extra={"step": step})
+    num_shards = max(r["num_shards"] for r in rank_results)
+    return policies.finalize_policy(new_version, hf_config, tokenizer_json, num_shards, extra={"step": step})

@@ -14,6 +14,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from stages.train.layout import SCHEDULES, schedule_error
+from stages.train.plan import MicrobatchLayout, microbatch_layout
+
 __all__ = [
     "ConfigError",
     "TaskConfig",
@@ -46,7 +49,6 @@ def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
     _require(value in allowed, f"{key}={value!r} is not one of {', '.join(allowed)}")
 
 
-SCHEDULES = ("gpipe", "1f1b")
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 ESTIMATORS = ("grpo", "dr_grpo")
 
@@ -64,6 +66,11 @@ class TaskConfig:
         _one_of("task.name", self.name, ("addition",))
         _require(1 <= self.num_digits <= 6, f"task.num_digits={self.num_digits} must be in 1..6")
         _require(self.prompts_per_step >= 1, "task.prompts_per_step must be >= 1")
+
+    @property
+    def prompt_width(self) -> int:
+        """Tokens of the longest prompt: "<bos>" + "a+b=" with num_digits-digit operands."""
+        return 1 + 2 * self.num_digits + 2
 
 
 @dataclass(frozen=True)
@@ -144,11 +151,34 @@ class AdvantageConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     pipeline_model_parallel_size: int = 2
+    """p: pipeline ranks. Training ranks (Dask workers with the ``train`` resource) = p x dp x tp."""
     tensor_model_parallel_size: int = 1
+    """tp: attention heads and MLP columns split over this many ranks (Megatron column/row parallel)."""
     data_parallel_size: int = 1
+    """dp: pipeline replicas; each takes whole groups of the global batch, gradients are summed."""
+    virtual_pipeline_model_parallel_size: int = 1
+    """v: stages per pipeline rank. 1 for gpipe / 1f1b / zb-h1, >= 2 for interleaved-1f1b (rank r holds
+    stages r, r + p, ...), exactly 2 for zbv / dualpipev (a V: rank r holds r and 2p - 1 - r)."""
     micro_batch_size: int = 32
-    """Samples per microbatch; a multiple of rollout.group_size keeps groups whole."""
+    """Samples per microbatch of the padded layout: sets the token budget when
+    max_tokens_per_microbatch is unset."""
+    max_tokens_per_microbatch: Optional[int] = None
+    """B: token slots of one microbatch, padding included (rows x row length, the same every step).
+    Unset: micro_batch_size x (task prompt width + rollout.max_new_tokens). Whole groups fill a
+    microbatch while they fit (a group is split only if it alone does not fit); the microbatch count
+    is the worst case's, every completion at max_new_tokens (stages/train/plan.py)."""
+    packing: bool = False
+    """Pack sequences end to end in rows (doc ids, positions restarting per sequence) instead of one
+    right-padded sequence per row. Off by default: with the fixed count both layouts hold the same
+    slots, and dense-mask attention over longer rows makes packing slower (docs/performance.md)."""
+    pack_row_tokens: Optional[int] = None
+    """Packing only: slots per packed row, in [longest sequence, the budget]; unset: one row per
+    microbatch (the varlen layout). Short rows keep dense attention cheap."""
+    logprob_chunk_tokens: Optional[int] = None
+    """Set: the last stage returns hidden states and the loss applies lm_head and log-softmax to this
+    many completion tokens at a time, so [tokens x vocab] logits never exist; unset: full logits."""
     schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv or dualpipev."""
     lr: float = 1e-3
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
@@ -158,24 +188,29 @@ class TrainConfig:
     """Weight of the k3 KL estimate to the reference policy."""
     loss_aggregation: str = "token-mean"
     timeout_s: float = 120.0
-    """Limit on every distributed wait (process-group init, send/recv, collectives)."""
+    """Limit on every distributed wait (process-group init, send/recv, collectives); a failed or stuck
+    rank ends the training step on every rank within it."""
 
     def __post_init__(self) -> None:
         _one_of("train.schedule", self.schedule, SCHEDULES)
         _one_of("train.loss_aggregation", self.loss_aggregation, LOSS_AGGREGATIONS)
-        _require(self.pipeline_model_parallel_size >= 1, "train.pipeline_model_parallel_size must be >= 1")
-        _require(
-            self.tensor_model_parallel_size == 1,
-            "train.tensor_model_parallel_size must be 1 in this runtime (tensor parallelism is planned only)",
-        )
-        _require(
-            self.data_parallel_size == 1,
-            "train.data_parallel_size must be 1 in this runtime (data parallelism is planned only)",
-        )
-        _require(self.micro_batch_size >= 1, "train.micro_batch_size must be >= 1")
+        for key in ("pipeline_model_parallel_size", "tensor_model_parallel_size", "data_parallel_size",
+                    "virtual_pipeline_model_parallel_size", "micro_batch_size"):
+            _require(getattr(self, key) >= 1, f"train.{key}={getattr(self, key)} must be >= 1")
         _require(self.timeout_s > 0, "train.timeout_s must be > 0")
+        for key in ("max_tokens_per_microbatch", "pack_row_tokens", "logprob_chunk_tokens"):
+            value = getattr(self, key)
+            _require(value is None or value >= 1, f"train.{key}={value} must be >= 1 (or unset)")
+        _require(self.packing or self.pack_row_tokens is None,
+                 f"train.pack_row_tokens={self.pack_row_tokens} is set but train.packing=false: "
+                 "set train.packing=true or unset it")
         _require(0 <= self.clip_eps_low < 1, "train.clip_eps_low must be in [0, 1)")
         _require(self.clip_eps_high >= 0, "train.clip_eps_high must be >= 0")
+
+    @property
+    def world_size(self) -> int:
+        """Training ranks: pipeline x data x tensor parallel."""
+        return self.pipeline_model_parallel_size * self.data_parallel_size * self.tensor_model_parallel_size
 
 
 @dataclass(frozen=True)
@@ -219,33 +254,50 @@ class GRPOConfig:
             self.run_name and all(c.isalnum() or c in "-_." for c in self.run_name),
             f"run_name={self.run_name!r} may hold only letters, digits, '-', '_' and '.'",
         )
-        pp = self.train.pipeline_model_parallel_size
-        _require(
-            pp <= self.model.num_hidden_layers,
-            f"train.pipeline_model_parallel_size={pp} exceeds model.num_hidden_layers="
-            f"{self.model.num_hidden_layers}: lower it or add layers",
-        )
-        num_samples = self.task.prompts_per_step * self.rollout.group_size
-        mbs = self.train.micro_batch_size
-        _require(
-            num_samples % mbs == 0,
-            f"train.micro_batch_size={mbs} must divide task.prompts_per_step * rollout.group_size "
-            f"= {num_samples}",
-        )
-        if self.train.schedule == "1f1b":
-            _require(
-                num_samples // mbs >= pp,
-                f"train.schedule=1f1b needs at least pipeline_model_parallel_size={pp} microbatches, "
-                f"got {num_samples // mbs}: lower train.micro_batch_size",
-            )
+        self._check_parallel_layout()
+
+    def _check_parallel_layout(self) -> None:
+        """Batch split, tensor split and schedule constraints, each in one line naming the key."""
+        t, m = self.train, self.model
+        dp, tp = t.data_parallel_size, t.tensor_model_parallel_size
+        _require(self.task.prompts_per_step % dp == 0,
+                 f"train.data_parallel_size={dp} must divide task.prompts_per_step={self.task.prompts_per_step} "
+                 "(each data-parallel rank takes whole groups)")
+        try:
+            self.microbatch_layout  # the token budget holds a sequence; packed rows fit the budget
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+            _require(getattr(m, key) % tp == 0,
+                     f"train.tensor_model_parallel_size={tp} must divide model.{key}={getattr(m, key)}")
+        error = schedule_error(t.schedule, t.pipeline_model_parallel_size, self.num_microbatches,
+                               t.virtual_pipeline_model_parallel_size, m.num_hidden_layers)
+        _require(error is None, error or "")
 
     @property
     def num_samples(self) -> int:
         return self.task.prompts_per_step * self.rollout.group_size
 
     @property
+    def microbatch_layout(self) -> MicrobatchLayout:
+        """The fixed shape and count of every step's microbatches (stages/train/plan.py):
+        budget B = train.max_tokens_per_microbatch or micro_batch_size x S, S = prompt width +
+        max_new_tokens; M = the worst case's count, a multiple of data_parallel_size."""
+        t = self.train
+        width, new = self.task.prompt_width, self.rollout.max_new_tokens
+        budget = t.max_tokens_per_microbatch or t.micro_batch_size * (width + new)
+        return microbatch_layout(self.task.prompts_per_step, self.rollout.group_size, width, new, budget,
+                                 t.packing, t.pack_row_tokens, t.data_parallel_size)
+
+    @property
+    def num_global_microbatches(self) -> int:
+        """Microbatches of the whole global batch (the same every step)."""
+        return self.microbatch_layout.num_microbatches
+
+    @property
     def num_microbatches(self) -> int:
-        return self.num_samples // self.train.micro_batch_size
+        """Microbatches each data-parallel pipeline runs per step."""
+        return self.num_global_microbatches // self.train.data_parallel_size
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:

@@ -24,6 +24,8 @@ __all__ = [
     "DecoderStage",
     "AttentionCache",
     "build_stage",
+    "document_mask",
+    "document_positions",
     "layer_ranges",
     "to_hf_name",
     "from_hf_name",
@@ -201,6 +203,33 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal causal mask of packed rows: token t attends to s iff s <= t and
+    doc_ids[s] == doc_ids[t]. doc_ids: [B, T] -> bool [B, 1, T, T] (True = attend).
+
+    Padding carries a doc id of its own, so each of its tokens still attends to itself and the
+    softmax of its (discarded) output never runs over an empty set: no NaN.
+    """
+    T = doc_ids.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()  # (T, T)
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
+    return (same & causal)[:, None]  # (B, 1, T, T)
+
+
+def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Positions that restart at 0 where a new document begins. doc_ids: [B, T] -> [B, T].
+
+    position_t = t - start(t), start(t) = the last index s <= t with doc_ids[s] != doc_ids[s-1].
+    """
+    B, T = doc_ids.shape
+    idx = torch.arange(T, device=doc_ids.device).expand(B, T)
+    starts = torch.zeros_like(doc_ids, dtype=torch.bool)
+    starts[:, 0] = True
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    start = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=-1).values
+    return idx - start
+
+
 class DecoderStage(nn.Module):
     """Layers [first_layer, last_layer) of the decoder; with embeddings on the first stage and the
     final norm and LM head on the last.
@@ -208,6 +237,11 @@ class DecoderStage(nn.Module):
     forward(input_ids [B, T] on the first stage, or hidden [B, T, H] elsewhere) returns hidden
     states [B, T, H], or logits [B, T, V] on the last stage (``return_hidden`` keeps the normed
     hidden states instead, for a loss that applies the head itself in chunks).
+
+    Packed rows (several documents per row, stages/train/plan.py) pass ``doc_ids`` [B, T]: attention
+    is then causal within each document only (:func:`document_mask`), and ``positions`` default to
+    positions restarting at every document (:func:`document_positions`), so a packed document sees
+    exactly what it would see alone in a row of its own.
     """
 
     def __init__(self, cfg: DecoderConfig, first_layer: int, last_layer: int,
@@ -230,7 +264,16 @@ class DecoderStage(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None,
                 cache: Optional[AttentionCache] = None,
-                attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                attn_mask: Optional[torch.Tensor] = None,
+                doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if doc_ids is not None:
+            if cache is not None:
+                raise ValueError("doc_ids (packed rows) is a training input; generation with a KV "
+                                 "cache takes positions and no doc_ids")
+            mask = document_mask(doc_ids)  # (B, 1, T, T), built once for every layer
+            attn_mask = mask if attn_mask is None else attn_mask & mask
+            if positions is None:
+                positions = document_positions(doc_ids)
         if self.embed_tokens is not None:
             x = self.embed_tokens(x)
         if positions is None:

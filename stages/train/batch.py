@@ -1,37 +1,74 @@
-"""Build the global batch of a step: fixed-shape input ids and the packed per-token target.
+"""Build the global batch of a step: fixed-shape token rows and the packed per-token target.
 
-Sequence of sample i: prompt[:prompt_len] + tokens[:length], right-padded to
-prompt_width + max_new_tokens (a fixed shape, so the pipeline never sees a new one). Position t
-predicts token t + 1; completion token j sits at position prompt_len + j, so the loss covers
-positions [prompt_len - 1, prompt_len - 1 + length).
+Sequence of sample i: prompt[:prompt_len] + tokens[:length] (s_i = prompt_len + length tokens).
+Position t of a sequence predicts its token t + 1; completion token j sits at position
+prompt_len + j, so the loss covers positions [prompt_len - 1, prompt_len - 1 + length).
+
+Where the sequences go is the microbatch plan (stages/train/plan.py): the global batch is
+num_microbatches x [rows, seq_len] slots, every step the same shape; unplanned, it is one row per
+sample, right-padded to prompt_width + max_new_tokens. Packed rows carry ``doc_ids`` (the sample
+index; -1 on padding) and ``positions`` restarting at 0 per sequence, handed to every pipeline
+stage through :meth:`GlobalBatch.stage_kwargs`.
 
 The weight channel carries the aggregation's denominator over the *whole* global batch:
 - token-mean:              w = 1 / (completion tokens in the batch)
 - seq-mean-token-mean:     w = 1 / (length_i * samples in the batch)
 - seq-mean-token-sum-norm: w = 1 / (max_new_tokens * samples in the batch)   (Dr. GRPO)
+so a microbatch's loss is an exact partial sum whatever the plan (groups split or not).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
 
 from stages.train.loss import TARGET_FIELDS
+from stages.train.plan import MicrobatchLayout, MicrobatchPlan, plan_microbatches
 
-__all__ = ["GlobalBatch", "build_global_batch", "aggregation_weights"]
+__all__ = ["GlobalBatch", "build_global_batch", "aggregation_weights", "PAD_DOC_ID"]
+
+PAD_DOC_ID = -1  # padding slots form a document of their own: they attend only to padding
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class GlobalBatch:
-    input_ids: torch.Tensor  # [N, T] long
-    target: torch.Tensor  # [N, T, len(TARGET_FIELDS)] float32
+    """One step's inputs for every pipeline rank: split on dim 0 into the run's microbatches, with
+    where each sample sits (for mapping per-token outputs back to store order)."""
+
+    input_ids: torch.Tensor  # [rows, T] long
+    target: torch.Tensor  # [rows, T, len(TARGET_FIELDS)] float32
     num_tokens: int
+    positions: Optional[torch.Tensor] = None  # [rows, T] long, packed layouts only
+    doc_ids: Optional[torch.Tensor] = None  # [rows, T] long, packed layouts only
+    sample_row: Optional[np.ndarray] = None  # [N]: global row of sample i
+    sample_col: Optional[np.ndarray] = None  # [N]: column whose output predicts its first completion token
+    length: Optional[np.ndarray] = None  # [N]: completion tokens of sample i
+    max_new_tokens: int = 0  # Gw, the stored completion width
+    plan: Optional[MicrobatchPlan] = None  # None: one padded row per sample, in store order
 
     @property
     def num_samples(self) -> int:
-        return int(self.input_ids.shape[0])
+        return int(len(self.length)) if self.length is not None else int(self.input_ids.shape[0])
+
+    def stage_kwargs(self) -> dict[str, torch.Tensor]:
+        """Keyword tensors for every pipeline stage's forward, split on dim 0 like input_ids:
+        ``positions`` and ``doc_ids`` [rows, T] for packed rows; nothing for padded rows (plain
+        causal attention, positions 0..T-1)."""
+        if self.doc_ids is None:
+            return {}
+        return {"positions": self.positions, "doc_ids": self.doc_ids}
+
+    def completion_values(self, values: torch.Tensor | np.ndarray) -> np.ndarray:
+        """Per-token outputs [rows, T] (e.g. reference log-probs) back in store order: [N, Gw]
+        float32 holding completion token j of sample i at [i, j], and 0 past its length."""
+        values = values.detach().cpu().numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
+        j = np.arange(self.max_new_tokens)
+        valid = j[None, :] < self.length[:, None]  # (N, Gw)
+        cols = np.where(valid, self.sample_col[:, None] + j[None, :], 0)
+        return np.where(valid, values[self.sample_row[:, None], cols], 0.0).astype(np.float32)
 
 
 def aggregation_weights(length: np.ndarray, max_new_tokens: int, mode: str) -> np.ndarray:
@@ -47,26 +84,52 @@ def aggregation_weights(length: np.ndarray, max_new_tokens: int, mode: str) -> n
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
-def build_global_batch(arrays: dict[str, np.ndarray], mode: str, pad_id: int) -> GlobalBatch:
+def build_global_batch(arrays: dict[str, np.ndarray], mode: str, pad_id: int,
+                       layout: Optional[MicrobatchLayout] = None) -> GlobalBatch:
     """arrays: prompt_ids [N, Pw], prompt_len [N], tokens [N, Gw], length [N], behav_logp [N, Gw],
-    ref_logp [N, Gw], advantage [N] (as stored in the rollout store)."""
-    prompt_ids, prompt_len = arrays["prompt_ids"], arrays["prompt_len"]
-    tokens, length = arrays["tokens"], arrays["length"]
+    ref_logp [N, Gw], advantage [N] (as stored in the rollout store).
+
+    layout: the run's fixed microbatch layout (plan.microbatch_layout); None gives one padded row
+    per sample in store order, [N, Pw + Gw].
+    """
+    prompt_ids, prompt_len = arrays["prompt_ids"], arrays["prompt_len"].astype(np.int64)
+    tokens, length = arrays["tokens"], arrays["length"].astype(np.int64)
     N, Pw = prompt_ids.shape
     Gw = tokens.shape[1]
-    T = Pw + Gw
-    ids = np.full((N, T), pad_id, dtype=np.int64)
-    target = np.zeros((N, T, len(TARGET_FIELDS)), dtype=np.float32)
+    if N and prompt_len.min() < 1:
+        raise ValueError(f"sample {int(np.argmin(prompt_len))} has an empty prompt; every prompt holds "
+                         f">= 1 token (BOS)")
+    seq_len = prompt_len + length
+    if layout is None:
+        rows, T, plan = N, Pw + Gw, None
+        row, start = np.arange(N, dtype=np.int64), np.zeros(N, dtype=np.int64)
+    else:
+        if layout.max_seq_len != Pw + Gw:
+            raise ValueError(f"the layout is for sequences of up to {layout.max_seq_len} tokens, the step "
+                             f"stores prompt width {Pw} + max_new_tokens {Gw} = {Pw + Gw}")
+        plan = plan_microbatches(seq_len, layout)
+        rows, T, row, start = layout.total_rows, layout.seq_len, plan.row, plan.start
+    ids = np.full((rows, T), pad_id, dtype=np.int64)
+    target = np.zeros((rows, T, len(TARGET_FIELDS)), dtype=np.float32)
+    doc = np.full((rows, T), PAD_DOC_ID, dtype=np.int64)
+    pos = np.zeros((rows, T), dtype=np.int64)
     weights = aggregation_weights(length, Gw, mode)
     for i in range(N):
-        p, n = int(prompt_len[i]), int(length[i])
-        ids[i, :p] = prompt_ids[i, :p]
-        ids[i, p:p + n] = tokens[i, :n]
-        pos = slice(p - 1, p - 1 + n)  # positions whose next token is a completion token
-        target[i, pos, 0] = tokens[i, :n]
-        target[i, pos, 1] = 1.0
-        target[i, pos, 2] = arrays["advantage"][i]
-        target[i, pos, 3] = arrays["behav_logp"][i, :n]
-        target[i, pos, 4] = arrays["ref_logp"][i, :n]
-        target[i, pos, 5] = weights[i]
-    return GlobalBatch(torch.from_numpy(ids), torch.from_numpy(target), int(length.sum()))
+        r, s, p, n = int(row[i]), int(start[i]), int(prompt_len[i]), int(length[i])
+        ids[r, s:s + p] = prompt_ids[i, :p]
+        ids[r, s + p:s + p + n] = tokens[i, :n]
+        doc[r, s:s + p + n] = i
+        pos[r, s:s + p + n] = np.arange(p + n)
+        at = slice(s + p - 1, s + p - 1 + n)  # positions whose next token is a completion token
+        target[r, at, 0] = tokens[i, :n]
+        target[r, at, 1] = 1.0
+        target[r, at, 2] = arrays["advantage"][i]
+        target[r, at, 3] = arrays["behav_logp"][i, :n]
+        target[r, at, 4] = arrays["ref_logp"][i, :n]
+        target[r, at, 5] = weights[i]
+    packed = layout is not None and layout.packing
+    return GlobalBatch(
+        torch.from_numpy(ids), torch.from_numpy(target), int(length.sum()),
+        positions=torch.from_numpy(pos) if packed else None,
+        doc_ids=torch.from_numpy(doc) if packed else None,
+        sample_row=row, sample_col=start + prompt_len - 1, length=length, max_new_tokens=Gw, plan=plan)

@@ -1,10 +1,21 @@
-"""One pipeline-parallel training rank: its stage of the policy, a frozen reference stage, the
-schedule and the optimiser, kept alive across iterations.
+"""One training rank of a (pp, dp, tp) mesh: its pipeline stages of the policy, frozen reference
+stages, the schedules and the optimiser, kept alive across iterations.
 
 The engine is plain torch: flows/ places one per Dask worker (``train`` resource) and calls
 :meth:`TrainRank.train_step` / :meth:`TrainRank.reference_logp` once per iteration on every rank.
-Gradients are exact: the schedule does not rescale them (``scale_grads=False``) and each
-microbatch's loss is a partial sum weighted by global-batch denominators (stages/train/loss.py).
+Gradients are exact, i.e. equal to the single-process full-batch gradient, whatever the layout:
+
+- every microbatch loss is a partial sum weighted by global-batch denominators
+  (stages/train/loss.py, batch.py), and no schedule rescales it (``scale_grads=False``);
+- data-parallel ranks take contiguous blocks of whole microbatches and their gradients are
+  SUMMED (stages/train/parallel.py);
+- a tied embedding lives on the first and the last stage; both copies get the sum of the two
+  gradients, so they take the same update;
+- the clip norm counts every weight once: TP shards once each, replicated weights on TP rank 0,
+  one DP replica, one copy of a tied embedding.
+
+Every distributed wait is bounded by ``timeout_s``; a failing rank or disagreeing inputs end the
+call on every rank with an error naming the rank and the cause (stages/train/faults.py).
 """
 
 from __future__ import annotations
@@ -12,180 +23,346 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor
 
-from stages.policy import (DecoderConfig, build_stage, hf_named_parameters, hf_state, load_hf_state,
-                           stage_hf_names)
-from stages.train.batch import GlobalBatch
-from stages.train.loss import LossConfig, LossStats, grpo_microbatch_loss, token_logp
-from stages.train.timeline import Action, TimedStage, bubble_fraction
+from stages.policy import DecoderConfig, build_stage, hf_named_parameters, load_hf_state, stage_hf_names
+from stages.train.faults import (InjectedFault, InputMismatchError, StepGuard, TrainInputError, TrainStepError,
+                                 signature_of)
+from stages.train.layout import ParallelLayout, schedule_error
+from stages.train.loss import LossConfig, LossStats, grpo_microbatch_loss, make_chunked_loss
+from stages.train.mesh import init_rank_groups
+from stages.train.parallel import (DEFAULT_BUCKET_BYTES, allreduce_grads, apply_tensor_parallel, clip_grad_norm,
+                                   sum_tied_grads, unique_parameters)
+from stages.train.schedules import ForwardOnlySchedule, LogpStage, build_train_schedule
+from stages.train.timeline import Action, RankTimeline, TimedStage, bubble_fraction, timed_p2p
 
-__all__ = ["TrainSetup", "StepResult", "TrainRank", "SCHEDULE_CLASSES"]
+__all__ = ["TrainSetup", "StepResult", "TrainRank", "rank_tensor_names", "TrainStepError", "InputMismatchError",
+           "InjectedFault"]
 
-SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+_CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
 class TrainSetup:
+    """Everything a training rank needs besides its weights; the same on every rank."""
+
     model: DecoderConfig
-    num_stages: int
+    pipeline_parallel_size: int
     num_microbatches: int
+    """Microbatches per data-parallel rank and step."""
     schedule: str = "1f1b"
+    virtual_stages: int = 1
+    """Stages per pipeline rank (train.virtual_pipeline_model_parallel_size)."""
+    data_parallel_size: int = 1
+    tensor_parallel_size: int = 1
     lr: float = 1e-3
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     loss: LossConfig = field(default_factory=LossConfig)
+    logprob_chunk_tokens: Optional[int] = None
+    """Set: the last stage returns hidden states and the loss applies the head in chunks of this
+    many tokens (stages/train/loss.py); None: the last stage returns logits."""
     timeout_s: float = 120.0
+    grad_bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    faults: tuple[InjectedFault, ...] = ()
+    """Test-only fault injection (stages/train/faults.py)."""
+
+    def __post_init__(self) -> None:
+        error = schedule_error(self.schedule, self.pipeline_parallel_size, self.num_microbatches,
+                               self.virtual_stages, self.model.num_hidden_layers)
+        if error:
+            raise ValueError(error)
+        _ = self.layout  # validates the sizes
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return ParallelLayout(self.pipeline_parallel_size, self.data_parallel_size, self.tensor_parallel_size,
+                              self.virtual_stages, self.schedule)
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepResult:
+    """What one rank measured in one pass: loss metrics (ranks holding the last stage), grad_norm
+    (train_step), bubble_fraction, step_seconds, activation_bytes_per_microbatch_stage{i} and
+    peak_inflight_stage{i} (training passes); its actions; the step window (time.time_ns)."""
+
     rank: int
     metrics: dict[str, float]
     actions: list[Action]
     window_ns: tuple[int, int]
 
 
-class _RefLogpStage(nn.Module):
-    """Forward-only wrapper: carries the next-token ids along the pipeline so the last stage
-    returns per-token log-probs [B, T] instead of logits."""
-
-    def __init__(self, stage: nn.Module, temperature: float):
-        super().__init__()
-        self.stage, self.temperature = stage, temperature
-
-    def forward(self, x: torch.Tensor, next_ids: torch.Tensor):
-        h = self.stage(x)
-        if self.stage.is_last:
-            return token_logp(h, next_ids, self.temperature)
-        return h, next_ids
-
-
 class TrainRank:
     def __init__(self, setup: TrainSetup, rank: int, init_method: str, tensors: dict[str, torch.Tensor]):
-        self.setup, self.rank = setup, rank
-        self.timeout = timedelta(seconds=setup.timeout_s)
-        if not dist.is_initialized():
-            dist.init_process_group("gloo", init_method=init_method, rank=rank,
-                                    world_size=setup.num_stages, timeout=self.timeout)
-        self.device = torch.device("cpu")
-        p = setup.num_stages
-        self.module = build_stage(setup.model, rank, p)
-        load_hf_state(self.module, tensors)
-        self.reference = build_stage(setup.model, rank, p)
-        load_hf_state(self.reference, tensors)
-        self.reference.requires_grad_(False)
-        # Tied embeddings split across stages: the first and last stage each hold a copy, and
-        # their gradients are summed so both copies take the same update.
-        self.tied_group = None
-        if setup.model.tie_word_embeddings and p > 1:
-            self.tied_group = dist.new_group([0, p - 1], timeout=self.timeout)
-        self.stage = TimedStage(self.module, rank, p, self.device)
-        schedule_cls = SCHEDULE_CLASSES[setup.schedule]
-        self.schedule = schedule_cls(self.stage, setup.num_microbatches, loss_fn=self._loss,
-                                     scale_grads=False)
-        self.ref_stage = PipelineStage(_RefLogpStage(self.reference, setup.loss.temperature), rank, p,
-                                       self.device)
-        self.ref_schedule = ScheduleGPipe(self.ref_stage, setup.num_microbatches)
-        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=setup.lr,
-                                           weight_decay=setup.weight_decay)
+        self.setup, self.rank, self.layout = setup, rank, setup.layout
+        self.groups = init_rank_groups(self.layout, rank, init_method, timedelta(seconds=setup.timeout_s),
+                                       setup.model.tie_word_embeddings)
+        self.coord = self.groups.coord
+        c = self.coord
+        self.guard = StepGuard(self.groups.store, rank, self.layout.world_size,
+                               f"rank {rank} (pp={c.pp}, dp={c.dp}, tp={c.tp})")
+        self.stage_ids = self.layout.stages_of(c.pp)
+        self.modules = [self._build(s, tensors) for s in self.stage_ids]
+        self.reference = [self._build(s, tensors, frozen=True) for s in self.stage_ids]
+        self.timeline, self.forward_timeline = RankTimeline(), RankTimeline()
         self._stats: list[LossStats] = []
+        self.stages = [self._stage(m, s, self.timeline) for m, s in zip(self.modules, self.stage_ids)]
+        self.schedule = build_train_schedule(setup.schedule, self.stages, setup.num_microbatches, self._loss_fn())
+        self.ref_schedule = self._forward_only(self.reference)
+        self.prox_schedule = self._forward_only(self.modules)
+        self.params = unique_parameters(self.modules)
+        self.optimizer = torch.optim.AdamW(self.params, lr=setup.lr, weight_decay=setup.weight_decay)
+        self._passes = 0  # training / forward-only passes started: the same sequence on every rank
+        self._pass = -1  # the one running (InjectedFault.step, the failure reports' key)
         self.steps_done = 0
+        self.last_forward: Optional[StepResult] = None
+        self._shapes: dict[str, dict[str, str]] = {}  # schedule -> input signature of its first step
 
-    # -- the loss on the last stage ----------------------------------------------------------------
-    def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        loss, stats = grpo_microbatch_loss(logits, target, self.setup.loss)
-        self._stats.append(stats)
-        return loss
+    # -- construction -------------------------------------------------------------------------------
+    def _build(self, stage: int, tensors: dict[str, torch.Tensor], frozen: bool = False) -> nn.Module:
+        module = build_stage(self.setup.model, stage, self.layout.num_stages,
+                             return_hidden=self.setup.logprob_chunk_tokens is not None)
+        load_hf_state(module, tensors)
+        if frozen:
+            module.requires_grad_(False)
+        if self.groups.tp_mesh is not None:
+            apply_tensor_parallel(module, self.groups.tp_mesh)
+        return module
 
-    # -- one optimiser step --------------------------------------------------------------------------
-    def train_step(self, batch: GlobalBatch) -> StepResult:
+    def _stage(self, module: nn.Module, index: int, timeline: RankTimeline) -> TimedStage:
+        return TimedStage(module, index, self.layout.num_stages, _CPU, group=self.groups.pp, timeline=timeline,
+                          before_forward=self._inject)
+
+    def _forward_only(self, modules: list[nn.Module]) -> ForwardOnlySchedule:
+        chunk = self.setup.logprob_chunk_tokens
+        stages = [self._stage(LogpStage(m, self.setup.loss.temperature, chunk), s, self.forward_timeline)
+                  for m, s in zip(modules, self.stage_ids)]
+        return ForwardOnlySchedule(stages, self.setup.num_microbatches, self.layout.stage_to_rank())
+
+    def _loss_fn(self):
+        """loss_fn(output, target) of the last stage; each microbatch's LossStats go to _stats."""
+        cfg, chunk = self.setup.loss, self.setup.logprob_chunk_tokens
+        if chunk is not None and self.holds_last:
+            return make_chunked_loss(self.modules[-1].lm_head, cfg, chunk, on_stats=self._stats.append)
+
+        def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            loss, stats = grpo_microbatch_loss(output, target, cfg)
+            self._stats.append(stats)
+            return loss
+
+        return loss_fn
+
+    @property
+    def holds_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def holds_last(self) -> bool:
+        return self.layout.num_stages - 1 in self.stage_ids
+
+    @property
+    def is_output_rank(self) -> bool:
+        """The rank whose forward-only passes return the gathered log-probs."""
+        return self.holds_last and self.coord.dp == 0 and self.coord.tp == 0
+
+    # -- inputs -------------------------------------------------------------------------------------
+    def _inject(self, stage: int, microbatch: int) -> None:
+        for f in self.setup.faults:
+            if (f.rank, f.step, f.microbatch) == (self.rank, self._pass, microbatch) and stage == self.stage_ids[0]:
+                if f.kind == "raise":
+                    raise RuntimeError(f"injected fault: rank {self.rank} fails in the forward of microbatch "
+                                       f"{microbatch}")
+                if f.kind == "stall":
+                    time.sleep(f.seconds)
+
+    def _local_inputs(self, call: int, schedule: str, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Check that every rank holds the same inputs, shaped as in ``schedule``'s first step, then
+        take this rank's data-parallel block of whole microbatches (rows [d R / D, (d + 1) R / D))."""
+        if any(f.kind == "shape" and (f.rank, f.step) == (self.rank, self._pass) for f in self.setup.faults):
+            full = {k: v[:-1] for k, v in full.items()}
+        m, D = self.setup.num_microbatches, self.layout.dp
+        signature = signature_of(m, full)
+        self.guard.check_inputs(call, signature)
+        rows = int(full["input_ids"].shape[0])
+        if rows % (D * m):
+            raise TrainInputError(f"the batch has {rows} rows, which do not split into data_parallel_size x "
+                                  f"microbatches = {D} x {m} equal microbatches: change train.micro_batch_size")
+        # input_ids fixes the activations sent between stages; keyword tensors stay on each rank.
+        shape = {k: signature[k] for k in ("num_microbatches", "input_ids")}
+        first = self._shapes.setdefault(schedule, shape)
+        if shape != first:  # the same on every rank: they agree on the signature
+            changed = [f"{k} {first[k]} -> {shape[k]}" for k in shape if first[k] != shape[k]]
+            raise TrainInputError(f"{schedule}: a pipeline's shapes are fixed by its first step, and "
+                                  f"{', '.join(changed)}; keep the run's microbatch layout fixed")
+        per = rows // D
+        lo = self.coord.dp * per
+        return {k: v[lo:lo + per] for k, v in full.items()}
+
+    def _begin(self, what: str):
+        """Number the next pass (train or forward-only) and guard it."""
+        self._pass = self._passes
+        self._passes += 1
+        return self._pass, self.guard.guarded(str(self._pass), what)
+
+    # -- one optimiser step -------------------------------------------------------------------------
+    def train_step(self, batch) -> StepResult:
         """Run the schedule over the global batch and take one optimiser step."""
-        result = self.forward_backward(batch)
-        result.metrics["grad_norm"] = self._clip_grads()
-        self.optimizer.step()
+        call, guarded = self._begin("train_step")
+        with guarded:
+            result = self._forward_backward(call, batch)
+            norm = self._clip_grads()
+            self.optimizer.step()
         self.steps_done += 1
-        return result
+        return StepResult(result.rank, {**result.metrics, "grad_norm": norm}, result.actions, result.window_ns)
 
-    def forward_backward(self, batch: GlobalBatch) -> StepResult:
+    def forward_backward(self, batch) -> StepResult:
         """Gradients of the global-batch loss in ``.grad`` of this rank's parameters."""
+        call, guarded = self._begin("forward_backward")
+        with guarded:
+            return self._forward_backward(call, batch)
+
+    def _forward_backward(self, call: int, batch) -> StepResult:
+        stage_kwargs = getattr(batch, "stage_kwargs", lambda: {})()
+        local = self._local_inputs(call, "train", {"input_ids": batch.input_ids, "target": batch.target,
+                                                   **stage_kwargs})
         self.optimizer.zero_grad(set_to_none=True)
         self._stats.clear()
-        self.stage.actions = []
+        self.timeline.clear()
+        input_ids, target = local.pop("input_ids"), local.pop("target")
+        args = (input_ids,) if self.holds_first else ()
         dist.barrier()  # a common start, so every rank's window measures the same step
         t0 = time.time_ns()
-        if self.stage.is_first:
-            self.schedule.step(batch.input_ids)
-        elif self.stage.is_last:
-            self.schedule.step(target=batch.target)
-        else:
-            self.schedule.step()
+        with timed_p2p():
+            self.schedule.step(*args, target=target if self.holds_last else None, return_outputs=False,
+                               **local)
         t1 = time.time_ns()
-        self._reduce_tied_grads()
-        metrics: dict[str, float] = {}
-        # The first step runs the loss once more for shape inference: keep the real microbatches.
-        real = self._stats[-self.setup.num_microbatches:] if self.stage.is_last else []
-        if real:
-            total = LossStats()
-            for s in real:
-                total.add(s)
-            metrics.update(total.metrics())
-        metrics["bubble_fraction"] = bubble_fraction(self.stage.actions, t0, t1)
+        allreduce_grads(self.params, self.groups.dp, self.setup.grad_bucket_bytes)
+        self._sum_tied_grads()
+        metrics = self._loss_metrics()
+        metrics["bubble_fraction"] = bubble_fraction(self.timeline.actions, t0, t1)
         metrics["step_seconds"] = (t1 - t0) / 1e9
-        return StepResult(self.rank, metrics, list(self.stage.actions), (t0, t1))
+        metrics.update(self.timeline.stash_metrics())
+        return StepResult(self.rank, metrics, list(self.timeline.actions), (t0, t1))
 
-    def hf_grads(self) -> dict[str, torch.Tensor]:
-        """This rank's gradients under HF names."""
-        return {name: p.grad.detach().clone() for name, p in hf_named_parameters(self.module)
-                if p.grad is not None}
+    def _loss_metrics(self) -> dict[str, float]:
+        """Loss, KL and clip fraction of the global batch, on ranks holding the last stage."""
+        if not self.holds_last:
+            return {}
+        # The first step runs the loss once more for shape inference: keep the real microbatches.
+        real = self._stats[-self.setup.num_microbatches:]
+        total = LossStats()
+        for s in real:
+            total.add(s)
+        sums = torch.tensor([total.loss, total.kl_sum, total.clipped_sum, total.tokens], dtype=torch.float64)
+        if self.layout.dp > 1:
+            dist.all_reduce(sums, group=self.groups.dp)
+        return LossStats(*sums.tolist()).metrics()
 
-    def _reduce_tied_grads(self) -> None:
-        if self.tied_group is None or not (self.stage.is_first or self.stage.is_last):
-            return
-        w = self.module.embed_tokens.weight if self.stage.is_first else self.module.lm_head.weight
-        if w.grad is None:
-            w.grad = torch.zeros_like(w)
-        dist.all_reduce(w.grad, group=self.tied_group)
+    def _tied_weights(self) -> list[nn.Parameter]:
+        """This rank's copies of a tied embedding (one Parameter when a single stage holds both)."""
+        if not self.setup.model.tie_word_embeddings:
+            return []
+        out = []
+        if self.holds_first:
+            out.append(self.modules[0].embed_tokens.weight)
+        if self.holds_last and all(self.modules[-1].lm_head.weight is not w for w in out):
+            out.append(self.modules[-1].lm_head.weight)
+        return out
+
+    def _sum_tied_grads(self) -> None:
+        sum_tied_grads(self._tied_weights(), self.groups.tied)
 
     def _clip_grads(self) -> float:
-        """Clip by the global norm over every stage (each rank holds a disjoint set of weights)."""
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        local = torch.stack([p.grad.pow(2).sum() for p in params]).sum() if params else torch.zeros(())
-        # A tied weight lives on two ranks with the same gradient: count it once.
-        if self.tied_group is not None and self.stage.is_last:
-            local = local - self.module.lm_head.weight.grad.pow(2).sum()
-        dist.all_reduce(local)
-        norm = float(local.sqrt())
-        if self.setup.max_grad_norm > 0 and norm > self.setup.max_grad_norm:
-            scale = self.setup.max_grad_norm / (norm + 1e-6)
-            for p in params:
-                p.grad.mul_(scale)
-        return norm
+        """Clip by the global norm over every weight of the model, each counted once: one DP
+        replica, TP shards on every TP rank but replicated weights on TP rank 0 only, and the
+        first stage's copy of a tied embedding."""
+        tied = self._tied_weights()
+        duplicate = {id(tied[-1])} if len(tied) == 2 or (tied and not self.holds_first) else set()
+        c = self.coord
+
+        def counted(p: nn.Parameter) -> bool:
+            return c.dp == 0 and id(p) not in duplicate and (isinstance(p, DTensor) or c.tp == 0)
+
+        return clip_grad_norm(self.params, self.setup.max_grad_norm, counted)
 
     # -- forward-only passes ------------------------------------------------------------------------
+    def reference_logp(self, input_ids: torch.Tensor, next_ids: torch.Tensor,
+                       stage_kwargs: Optional[dict[str, torch.Tensor]] = None) -> Optional[torch.Tensor]:
+        """Per-token log-probs [rows, T] of the frozen reference, on :attr:`is_output_rank`; None elsewhere."""
+        return self._forward_logp(self.ref_schedule, "reference_logp", input_ids, next_ids, stage_kwargs)
+
+    def proximal_logp(self, input_ids: torch.Tensor, next_ids: torch.Tensor,
+                      stage_kwargs: Optional[dict[str, torch.Tensor]] = None) -> Optional[torch.Tensor]:
+        """Per-token log-probs [rows, T] of the current (trainable) weights, no gradients kept."""
+        return self._forward_logp(self.prox_schedule, "proximal_logp", input_ids, next_ids, stage_kwargs)
+
     @torch.no_grad()
-    def reference_logp(self, input_ids: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor | None:
-        """Per-token log-probs of the frozen reference; returned on the last stage, None elsewhere."""
-        if self.stage.is_first:
-            return self.ref_schedule.step(input_ids, next_ids)
-        return self.ref_schedule.step()
+    def _forward_logp(self, schedule: ForwardOnlySchedule, what: str, input_ids: torch.Tensor,
+                      next_ids: torch.Tensor,
+                      stage_kwargs: Optional[dict[str, torch.Tensor]]) -> Optional[torch.Tensor]:
+        call, guarded = self._begin(what)
+        with guarded:
+            local = self._local_inputs(call, what, {"input_ids": input_ids, "next_ids": next_ids.long(),
+                                              **(stage_kwargs or {})})
+            self.forward_timeline.clear()
+            input_ids = local.pop("input_ids")
+            args = (input_ids,) if self.holds_first else ()
+            t0 = time.time_ns()
+            with timed_p2p():
+                out = schedule.step(*args, **local)
+            t1 = time.time_ns()
+            metrics = {"bubble_fraction": bubble_fraction(self.forward_timeline.actions, t0, t1),
+                       "step_seconds": (t1 - t0) / 1e9, **self.forward_timeline.stash_metrics()}
+            self.last_forward = StepResult(self.rank, metrics, list(self.forward_timeline.actions), (t0, t1))
+            if not self.holds_last:
+                return None
+            if self.layout.dp > 1:
+                parts = [torch.empty_like(out) for _ in range(self.layout.dp)]
+                dist.all_gather(parts, out.contiguous(), group=self.groups.dp)
+                out = torch.cat(parts)
+            return out if self.is_output_rank else None
+
+    # -- weights --------------------------------------------------------------------------------------
+    def _hf_tensors(self, grads: bool) -> dict[str, torch.Tensor]:
+        what = "hf_grads" if grads else "hf_state"
+        out = {}
+        with self.guard.guarded(f"{what}-{self._passes}", what):
+            for m in self.modules:
+                for name, p in hf_named_parameters(m):
+                    t = p.grad if grads else p
+                    if t is None:
+                        continue
+                    t = t.full_tensor() if isinstance(t, DTensor) else t  # all-gather over TP
+                    out[name] = t.detach().clone().contiguous()
+        return out
+
+    def hf_grads(self) -> dict[str, torch.Tensor]:
+        """This rank's gradients under HF names (whole tensors: TP shards are gathered)."""
+        return self._hf_tensors(grads=True)
 
     def hf_state(self) -> dict[str, torch.Tensor]:
-        return hf_state(self.module)
+        """This rank's weights under HF names (whole tensors); a collective over TP."""
+        return self._hf_tensors(grads=False)
 
     def close(self) -> None:
-        if dist.is_initialized():
+        """Leave the process group (an aborted one is left to the process's exit: a peer may still
+        be blocked on it)."""
+        if not self.groups.owns_world:
+            return
+        self.guard.close(owner=self.rank == 0, timeout_s=self.setup.timeout_s)
+        if dist.is_initialized() and not self.guard.aborted:
             dist.destroy_process_group()
 
 
-def stage_tensor_names(model: DecoderConfig, rank: int, num_stages: int) -> set[str]:
-    """The HF tensor names stage ``rank`` needs, without building its weights twice."""
+def rank_tensor_names(model: DecoderConfig, layout: ParallelLayout, pp_rank: int) -> set[str]:
+    """The HF tensor names pipeline rank ``pp_rank`` needs, without building its weights."""
+    names: set[str] = set()
     with torch.device("meta"):
-        return set(stage_hf_names(build_stage(model, rank, num_stages)))
-
-
-__all__.append("stage_tensor_names")
+        for s in layout.stages_of(pp_rank):
+            names |= set(stage_hf_names(build_stage(model, s, layout.num_stages)))
+    return names

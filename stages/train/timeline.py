@@ -1,81 +1,245 @@
-"""Per-rank timelines of pipeline actions, as Chrome-trace events (open in Perfetto).
+"""Per-rank timelines of pipeline actions, as Chrome-trace events (open in Perfetto), and the
+activation stash they imply.
 
-:class:`TimedStage` records the start and end of every forward, backward (full or input-only)
-and weight-backward of a pipeline stage. The bubble fraction of a rank is the share of the step's
-wall time in which it ran none of them.
+:class:`TimedStage` records the start and end of every forward (F), full backward (B),
+input-backward (I) and weight-backward (W) of a pipeline stage. Sends and receives are recorded by
+:func:`timed_p2p`: torch's schedules post every P2P op through
+``torch.distributed.pipelining.schedules._batch_p2p`` and only ever call ``.wait()`` on the works it
+returns (single-stage schedules and ``_PipelineScheduleRuntime`` alike), so wrapping that one
+function times each op from its post to the end of its wait. Gloo works have no future to report
+completion (``Work::getFuture not implemented``), so the end of a send waited late is its wait.
+
+Bubble fraction of a rank = 1 - (time in compute actions) / (step window).
+
+Activation stash: the bytes each stage forward saves for backward (a
+``torch.autograd.graph.saved_tensors_hooks`` around the forward; distinct storages, parameters
+excluded), and the peak number of microbatches forwarded and not yet fully backwarded per stage
+(a microbatch leaves at its B, or at its W when the backward is split into I and W).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
 
+import torch
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as _schedules
+from torch.distributed.tensor import DTensor
 
-__all__ = ["Action", "TimedStage", "bubble_fraction", "chrome_events"]
+__all__ = ["Action", "COMPUTE_KINDS", "COMM_KINDS", "RankTimeline", "TimedStage", "timed_p2p",
+           "bubble_fraction", "chrome_events"]
+
+COMPUTE_KINDS = ("F", "B", "I", "W")
+COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+_LABEL = "_grpoflow_label"  # attribute set on each P2POp a TimedStage hands to a schedule
 
 
 @dataclass(frozen=True)
 class Action:
-    kind: str  # "F" forward, "B" full backward, "I" input-backward, "W" weight-backward
+    kind: str  # a COMPUTE_KINDS or COMM_KINDS entry
     stage: int
     microbatch: int
     start_ns: int
     end_ns: int
+    peer: int = -1  # send/recv: the peer's global rank
+    wait_ns: int = 0  # send/recv: time blocked in wait()
 
     @property
     def seconds(self) -> float:
         return (self.end_ns - self.start_ns) / 1e9
 
 
-class TimedStage(PipelineStage):
-    """A PipelineStage that logs its compute actions into ``self.actions``."""
+class RankTimeline:
+    """What one rank's stages did in a step: actions, stash bytes, microbatches in flight."""
 
-    actions: list[Action]
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.actions = []
+    def __init__(self) -> None:
         self.recording = True
+        self.clear()
+
+    def clear(self) -> None:
+        self.actions: list[Action] = []
+        self.stash_bytes: dict[int, list[int]] = defaultdict(list)  # stage -> bytes per microbatch
+        self.in_flight: dict[int, int] = defaultdict(int)
+        self.peak_in_flight: dict[int, int] = defaultdict(int)
+
+    def record(self, action: Action) -> None:
+        if self.recording:
+            self.actions.append(action)
+
+    def enter(self, stage: int) -> None:
+        self.in_flight[stage] += 1
+        self.peak_in_flight[stage] = max(self.peak_in_flight[stage], self.in_flight[stage])
+
+    def leave(self, stage: int) -> None:
+        self.in_flight[stage] -= 1
+
+    def stash_metrics(self) -> dict[str, float]:
+        """activation_bytes_per_microbatch_stage{i} (largest microbatch) and peak_inflight_stage{i}."""
+        out: dict[str, float] = {}
+        for stage, sizes in sorted(self.stash_bytes.items()):
+            out[f"activation_bytes_per_microbatch_stage{stage}"] = float(max(sizes))
+        for stage, peak in sorted(self.peak_in_flight.items()):
+            out[f"peak_inflight_stage{stage}"] = float(peak)
+        return out
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    return t.untyped_storage().data_ptr()
+
+
+class TimedStage(PipelineStage):
+    """A PipelineStage that logs its actions, stash and P2P ops into a shared :class:`RankTimeline`.
+
+    ``before_forward(stage_index, microbatch)``, when set, runs before each forward (the engine's
+    fault injection for tests).
+    """
+
+    def __init__(self, *args, timeline: Optional[RankTimeline] = None,
+                 before_forward: Optional[Callable[[int, int], None]] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.timeline = timeline if timeline is not None else RankTimeline()
+        self.before_forward = before_forward
+        self._param_keys = {_storage_key(p) for p in self.submod.parameters()}
+
+    @property
+    def actions(self) -> list[Action]:
+        return self.timeline.actions
 
     def _record(self, kind: str, mb: int, t0: int) -> None:
-        if self.recording:
-            self.actions.append(Action(kind, self.stage_index, mb, t0, time.time_ns()))
+        self.timeline.record(Action(kind, self.stage_index, mb, t0, time.time_ns()))
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        if self.before_forward is not None:
+            self.before_forward(self.stage_index, fwd_chunk_id)
+        saving = self.has_backward and torch.is_grad_enabled()
+        seen: set[int] = set()
+        total = [0]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            key = _storage_key(t)
+            if key not in seen and key not in self._param_keys:
+                seen.add(key)
+                local = t.to_local() if isinstance(t, DTensor) else t
+                total[0] += local.untyped_storage().nbytes()
+            return t
+
         t0 = time.time_ns()
-        out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
         self._record("F", fwd_chunk_id, t0)
+        if saving and self.timeline.recording:
+            self.timeline.stash_bytes[self.stage_index].append(total[0])
+            self.timeline.enter(self.stage_index)
         return out
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
         t0 = time.time_ns()
         out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
                                          last_backward=last_backward)
-        self._record("B" if full_backward else "I", bwd_chunk_id, t0)
+        if self.has_backward:
+            self._record("B" if full_backward else "I", bwd_chunk_id, t0)
+            if full_backward and self.timeline.recording:
+                self.timeline.leave(self.stage_index)
         return out
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
         t0 = time.time_ns()
         out = super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
-        self._record("W", bwd_chunk_id, t0)
+        if self.has_backward:
+            self._record("W", bwd_chunk_id, t0)
+            if self.timeline.recording:
+                self.timeline.leave(self.stage_index)
         return out
+
+    # -- P2P ops carry a label that timed_p2p turns into a send/recv action ------------------------
+    def _label(self, ops: list, kind: str, mb: int) -> list:
+        for op in ops:
+            setattr(op, _LABEL, (self.timeline, kind, self.stage_index, mb, op.peer))
+        return ops
+
+    def get_fwd_recv_ops(self, fwd_chunk_id):
+        return self._label(super().get_fwd_recv_ops(fwd_chunk_id), "RECV_F", fwd_chunk_id)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id):
+        return self._label(super().get_bwd_recv_ops(bwd_chunk_id), "RECV_B", bwd_chunk_id)
+
+    def get_fwd_send_ops(self, fwd_chunk_id):
+        return self._label(super().get_fwd_send_ops(fwd_chunk_id), "SEND_F", fwd_chunk_id)
+
+    def get_bwd_send_ops(self, bwd_chunk_id):
+        return self._label(super().get_bwd_send_ops(bwd_chunk_id), "SEND_B", bwd_chunk_id)
+
+
+class _TimedWork:
+    """A dist.Work that records a send/recv action when waited on."""
+
+    def __init__(self, work, label: tuple, posted_ns: int):
+        self._work, self._label, self._posted_ns = work, label, posted_ns
+
+    def wait(self, *args, **kwargs):
+        timeline, kind, stage, mb, peer = self._label
+        t0 = time.time_ns()
+        try:
+            result = self._work.wait(*args, **kwargs)
+        except RuntimeError as exc:  # gloo does not say which peer it was waiting on
+            text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise RuntimeError(f"{kind} of stage {stage} microbatch {mb} with rank {peer}: {text}") from exc
+        end = time.time_ns()
+        timeline.record(Action(kind, stage, mb, self._posted_ns, end, peer, end - t0))
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+@contextmanager
+def timed_p2p() -> Iterator[None]:
+    """While active, every P2P op a TimedStage hands to a torch schedule is timed (module docstring).
+    Restores torch's ``_batch_p2p`` on exit."""
+    original = _schedules._batch_p2p
+
+    def batch_p2p(p2p_ops, desc=None):
+        posted = time.time_ns()
+        works = original(p2p_ops, desc)
+        labels = [getattr(op, _LABEL, None) for op in p2p_ops]
+        if len(works) != len(labels):  # coalesced (NCCL): one work for the batch
+            labels = [labels[0] if labels else None] * len(works)
+        return [_TimedWork(w, lab, posted) if lab is not None else w for w, lab in zip(works, labels)]
+
+    _schedules._batch_p2p = batch_p2p
+    try:
+        yield
+    finally:
+        _schedules._batch_p2p = original
 
 
 def bubble_fraction(actions: list[Action], window_start_ns: int, window_end_ns: int) -> float:
-    """1 - (time spent in actions) / (step window) for one rank."""
+    """1 - (time spent in compute actions) / (step window) for one rank."""
     window = max(window_end_ns - window_start_ns, 1)
-    busy = sum(a.end_ns - a.start_ns for a in actions)
+    busy = sum(a.end_ns - a.start_ns for a in actions if a.kind in COMPUTE_KINDS)
     return max(0.0, 1.0 - busy / window)
 
 
 def chrome_events(rank: int, actions: list[Action], window: tuple[int, int], origin_ns: int) -> list[dict]:
-    """Complete ('X') events in microseconds from ``origin_ns``; pid is the rank."""
+    """Complete ('X') events in microseconds from ``origin_ns``; pid is the rank, tid 0 compute,
+    tid 1 send/recv (from post to the end of its wait), tid 2 the step window."""
     events = [{"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}}]
-    events.append({"name": "step", "ph": "X", "pid": rank, "tid": 1, "ts": (window[0] - origin_ns) / 1e3,
+    for tid, name in ((0, "compute"), (1, "send/recv"), (2, "step")):
+        events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}})
+    events.append({"name": "step", "ph": "X", "pid": rank, "tid": 2, "ts": (window[0] - origin_ns) / 1e3,
                    "dur": (window[1] - window[0]) / 1e3, "args": {}})
     for a in actions:
-        events.append({"name": f"{a.kind}{a.microbatch}", "cat": a.kind, "ph": "X", "pid": rank, "tid": 0,
-                       "ts": (a.start_ns - origin_ns) / 1e3, "dur": (a.end_ns - a.start_ns) / 1e3,
-                       "args": {"stage": a.stage, "microbatch": a.microbatch, "kind": a.kind}})
+        comm = a.kind in COMM_KINDS
+        args = {"stage": a.stage, "microbatch": a.microbatch, "kind": a.kind}
+        if comm:
+            args.update(peer=a.peer, wait_us=a.wait_ns / 1e3)
+        events.append({"name": f"{a.kind}{a.microbatch}" + (f".s{a.stage}" if not comm else ""), "cat": a.kind,
+                       "ph": "X", "pid": rank, "tid": 1 if comm else 0, "ts": (a.start_ns - origin_ns) / 1e3,
+                       "dur": (a.end_ns - a.start_ns) / 1e3, "args": args})
     return events

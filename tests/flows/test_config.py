@@ -19,7 +19,9 @@ def test_tiny_config_loads_with_overrides():
     ("train.micro_batch_size=abc", "train.micro_batch_size"),
     ("train.pipeline_model_parallel_size=9", "train.pipeline_model_parallel_size"),
     ("train.schedule=zigzag", "train.schedule"),
-    ("train.micro_batch_size=48", "train.micro_batch_size"),
+    ("train.max_tokens_per_microbatch=12", "train.max_tokens_per_microbatch"),
+    ("train.pack_row_tokens=26", "train.pack_row_tokens"),
+    ("train.logprob_chunk_tokens=0", "train.logprob_chunk_tokens"),
     ("rollout.group_size=1", "rollout.group_size"),
     ("advantage.estimator=ppo", "advantage.estimator"),
     ("run_name=a/b", "run_name"),
@@ -29,6 +31,16 @@ def test_bad_values_name_the_key_in_one_line(override, key):
         load_config("configs/tiny.yaml", [override])
     message = str(info.value)
     assert key in message and "\n" not in message
+
+
+def test_microbatch_count_is_the_worst_case_of_the_token_budget():
+    # 16 prompts x G 8, S = 7 + 6 = 13: 32 padded samples (416 slots) hold 4 groups -> 4 microbatches.
+    assert load_config("configs/tiny.yaml").num_microbatches == 4
+    # 48 samples hold 6 groups: ceil(16 / 6) = 3 microbatches, the last one partly empty.
+    assert load_config("configs/tiny.yaml", ["train.micro_batch_size=48"]).num_microbatches == 3
+    packed = load_config("configs/tiny.yaml", ["train.packing=true", "train.max_tokens_per_microbatch=208",
+                                               "train.pack_row_tokens=52"])
+    assert (packed.num_microbatches, packed.microbatch_layout.rows) == (8, 4)
 
 
 def test_1f1b_needs_as_many_microbatches_as_stages():

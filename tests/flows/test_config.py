@@ -7,9 +7,12 @@ import pytest
 from flows.config import load_config
 from stages.config import ConfigError
 
+# The tiny config at the size these checks were worked out for: 16 prompts x G 8 = 128 samples.
+SMALL = ["task.prompts_per_step=16", "train.micro_batch_size=32"]
+
 
 def test_tiny_config_loads_with_overrides():
-    cfg = load_config("configs/tiny.yaml", ["iterations=2", "train.schedule=gpipe"])
+    cfg = load_config("configs/tiny.yaml", [*SMALL, "iterations=2", "train.schedule=gpipe"])
     assert cfg.iterations == 2 and cfg.train.schedule == "gpipe"
     assert cfg.train.pipeline_model_parallel_size == 2
 
@@ -28,28 +31,28 @@ def test_tiny_config_loads_with_overrides():
 ])
 def test_bad_values_name_the_key_in_one_line(override, key):
     with pytest.raises(ConfigError) as info:
-        load_config("configs/tiny.yaml", [override])
+        load_config("configs/tiny.yaml", [*SMALL, override])
     message = str(info.value)
     assert key in message and "\n" not in message
 
 
 def test_microbatch_count_is_the_worst_case_of_the_token_budget():
     # 16 prompts x G 8, S = 7 + 6 = 13: 32 padded samples (416 slots) hold 4 groups -> 4 microbatches.
-    assert load_config("configs/tiny.yaml").num_microbatches == 4
+    assert load_config("configs/tiny.yaml", SMALL).num_microbatches == 4
     # 48 samples hold 6 groups: ceil(16 / 6) = 3 microbatches, the last one partly empty.
-    assert load_config("configs/tiny.yaml", ["train.micro_batch_size=48"]).num_microbatches == 3
-    packed = load_config("configs/tiny.yaml", ["train.packing=true", "train.max_tokens_per_microbatch=208",
+    assert load_config("configs/tiny.yaml", [*SMALL, "train.micro_batch_size=48"]).num_microbatches == 3
+    packed = load_config("configs/tiny.yaml", [*SMALL, "train.packing=true", "train.max_tokens_per_microbatch=208",
                                                "train.pack_row_tokens=52"])
     assert (packed.num_microbatches, packed.microbatch_layout.rows) == (8, 4)
 
 
 def test_1f1b_needs_as_many_microbatches_as_stages():
     with pytest.raises(ConfigError, match="micro_batch_size"):
-        load_config("configs/tiny.yaml", ["train.micro_batch_size=128"])
+        load_config("configs/tiny.yaml", [*SMALL, "train.micro_batch_size=128"])
 
 
 def test_missing_file_and_bad_override_form():
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("configs/nope.yaml")
     with pytest.raises(ConfigError, match="key=value"):
-        load_config("configs/tiny.yaml", ["iterations"])
+        load_config("configs/tiny.yaml", [*SMALL, "iterations"])

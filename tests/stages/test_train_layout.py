@@ -10,6 +10,9 @@ from stages.config import ConfigError
 from stages.train.layout import SCHEDULES, MeshCoord, ParallelLayout, schedule_error
 from stages.train.timeline import Action, bubble_fraction
 
+# The tiny config at the size these checks were worked out for: 16 prompts x G 8 = 128 samples.
+SMALL = ["task.prompts_per_step=16", "train.micro_batch_size=32"]
+
 
 def test_global_rank_puts_tensor_parallel_fastest():
     layout = ParallelLayout(pp=2, dp=2, tp=2)
@@ -70,20 +73,20 @@ def test_layers_must_cover_every_stage():
 ])
 def test_config_rejects_a_layout_in_one_line(overrides, key):
     with pytest.raises(ConfigError) as info:
-        load_config("configs/tiny.yaml", overrides)
+        load_config("configs/tiny.yaml", [*SMALL, *overrides])
     assert key in str(info.value) and "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_tiny_config_runs_every_schedule(schedule):
     v = 2 if schedule in ("interleaved-1f1b", "zbv", "dualpipev") else 1
-    cfg = load_config("configs/tiny.yaml", [f"train.schedule={schedule}",
+    cfg = load_config("configs/tiny.yaml", [*SMALL, f"train.schedule={schedule}",
                                             f"train.virtual_pipeline_model_parallel_size={v}"])
     assert cfg.num_microbatches == 4
 
 
 def test_3d_layout_config():
-    cfg = load_config("configs/tiny.yaml", ["train.data_parallel_size=2", "train.tensor_model_parallel_size=2"])
+    cfg = load_config("configs/tiny.yaml", [*SMALL, "train.data_parallel_size=2", "train.tensor_model_parallel_size=2"])
     assert cfg.train.world_size == 8 and cfg.num_global_microbatches == 4 and cfg.num_microbatches == 2
 
 

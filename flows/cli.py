@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +16,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from flows.loop import format_summary, run, run_dir_of
 
     cfg = load_config(args.config, args.overrides)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("flows").setLevel(logging.WARNING if args.quiet else logging.INFO)
     summary = run(cfg, progress=not args.quiet)
     print(format_summary(summary))
     print(f"summary: {run_dir_of(cfg) / 'summary.json'}")

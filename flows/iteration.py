@@ -67,6 +67,12 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, paths: tasks.RunPaths
     train_pin = [dict(workers=[pools.train[r]], resources={"train": 1}, pure=False) for r in range(world)]
     futures: dict[str, list[Future]] = {}
 
+    def gate(stage: str, work: list[Future]) -> list[Future]:
+        """Keep a stage's tasks (their results are its metrics) and return the one future that
+        marks the stage complete in the store once all of them have written their outputs."""
+        futures[f"{stage}_work"] = work
+        return [client.submit(tasks.mark_complete, ref, stage, *work, key=f"{stage}-done-{ref.step}-{tok}")]
+
     rollout = []
     if "rollout" not in done:
         parts = _ranges(layout.num_prompts, gpc, len(pools.rollout))
@@ -75,8 +81,7 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, paths: tasks.RunPaths
             rollout.append(client.submit(tasks.rollout_task, cfg, ref, policy, lo, hi, engine,
                                          key=f"rollout-{ref.step}-{i}-{tok}", workers=[engine],
                                          resources={"rollout": 1}, pure=False))
-        futures["rollout_work"] = rollout
-        rollout = [client.submit(tasks.mark_complete, ref, "rollout", *rollout, key=f"rollout-done-{ref.step}-{tok}")]
+        rollout = gate("rollout", rollout)
     futures["rollout"] = rollout
 
     reward = []
@@ -84,17 +89,14 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, paths: tasks.RunPaths
         for i, (lo, hi) in enumerate(_ranges(layout.num_prompts, gpc, cfg.reward.num_tasks)):
             reward.append(client.submit(tasks.score_task, cfg, ref, policy.path, lo * G, hi * G, *rollout,
                                         key=f"score-{ref.step}-{i}-{tok}"))
-        futures["reward_work"] = reward
-        reward = [client.submit(tasks.mark_complete, ref, "reward", *reward, key=f"reward-done-{ref.step}-{tok}")]
+        reward = gate("reward", reward)
     futures["reward"] = reward
 
     reference = []
     if "reference" not in done:
         reference = [client.submit(tasks.reference_task, cfg, ref, *rollout, key=f"reference-{ref.step}-{r}-{tok}",
                                    **train_pin[r]) for r in range(world)]
-        futures["reference_work"] = reference
-        reference = [client.submit(tasks.mark_complete, ref, "reference", *reference,
-                                   key=f"reference-done-{ref.step}-{tok}")]
+        reference = gate("reference", reference)
     futures["reference"] = reference
 
     advantage = []

@@ -8,6 +8,7 @@ policy version it published; a step left half-done is picked up after its last c
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from storage.rollouts import RolloutStore
 
 __all__ = ["RunSummary", "run", "run_dir_of", "format_summary"]
 
+log = logging.getLogger(__name__)
 _CACHE_DIR = os.environ.get("GRPOFLOW_CACHE", "")
 
 
@@ -102,10 +104,14 @@ def run(cfg: GRPOConfig, progress: bool = True) -> RunSummary:
                           artifact_location=str((run_dir / "mlartifacts").resolve()))
         cache_dir = _CACHE_DIR or str(Path(cfg.runs_dir).resolve() / "_cache")
         if version is None:
+            log.info("policy v0: %s", cfg.model.path or
+                     f"the task's tiny model, warmed up for {cfg.warmup.steps} steps (cached in {cache_dir})")
             policy = client.submit(tasks.make_base_policy, cfg, paths, cache_dir, workers=[pools.train[0]],
                                    pure=False).result()
         else:
             policy = PolicyStore(paths.policies).ref(version)
+        log.info("starting %d training ranks from policy v%d; %d iterations from step %d",
+                 len(pools.train), policy.version, cfg.iterations - first_step, first_step)
         _init_ranks(client, cfg, pools, policy)
         results = _loop(client, cfg, pools, paths, policy, first_step, lineage, progress)
         summary = _summarise(cfg, lineage, tracking_uri, results, time.perf_counter() - start)

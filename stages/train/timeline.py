@@ -13,8 +13,9 @@ Bubble fraction of a rank = 1 - (time in compute actions) / (step window).
 
 Activation stash: the bytes each stage forward saves for backward (a
 ``torch.autograd.graph.saved_tensors_hooks`` around the forward; distinct storages, parameters
-excluded), and the peak number of microbatches forwarded and not yet fully backwarded per stage
-(a microbatch leaves at its B, or at its W when the backward is split into I and W).
+excluded, a microbatch input by its own bytes), and the peak number of microbatches forwarded and
+not yet fully backwarded per stage (a microbatch leaves at its B, or at its W when the backward is
+split into I and W).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as _schedules
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
 
 __all__ = ["Action", "COMPUTE_KINDS", "COMM_KINDS", "RankTimeline", "TimedStage", "timed_p2p",
            "bubble_fraction", "chrome_events"]
@@ -120,13 +122,16 @@ class TimedStage(PipelineStage):
         saving = self.has_backward and torch.is_grad_enabled()
         seen: set[int] = set()
         total = [0]
+        # Microbatch inputs are views into the whole batch (torch splits it with tensor_split): they
+        # count their own bytes, not those of the batch's storage.
+        inputs = {_storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             key = _storage_key(t)
             if key not in seen and key not in self._param_keys:
                 seen.add(key)
                 local = t.to_local() if isinstance(t, DTensor) else t
-                total[0] += local.untyped_storage().nbytes()
+                total[0] += local.nbytes if key in inputs else local.untyped_storage().nbytes()
             return t
 
         t0 = time.time_ns()

@@ -6,7 +6,6 @@ import argparse
 import logging
 import subprocess
 import sys
-from pathlib import Path
 
 __all__ = ["main"]
 

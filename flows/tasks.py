@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import dask.array as da
 import numpy as np
 import torch
 
@@ -237,8 +236,7 @@ def reference_task(cfg: GRPOConfig, ref: StepRef, *deps) -> dict[str, float]:
     store = RolloutStore(ref.root)
     a = _read_sequences(store, ref.step)
     batch = build_global_batch(a, "token-mean", engine.setup.model.pad_token_id or 0, cfg.microbatch_layout)
-    stage_kwargs = getattr(batch, "stage_kwargs", lambda: {})()
-    logp = engine.reference_logp(batch.input_ids, batch.target[..., 0].long(), stage_kwargs)
+    logp = engine.reference_logp(batch.input_ids, batch.target[..., 0].long(), batch.stage_kwargs())
     if logp is not None:  # per-token [rows, T] -> per completion token [N, max_new]
         store.write(ref.step, "ref_logp", batch.completion_values(logp))
     return {"reference_seconds": time.perf_counter() - t0}
@@ -248,12 +246,8 @@ def reference_task(cfg: GRPOConfig, ref: StepRef, *deps) -> dict[str, float]:
 def advantage_task(cfg: GRPOConfig, ref: StepRef, *deps) -> dict[str, float]:
     """Group-normalised advantages with dask.array over the stored rewards (chunks of whole groups)."""
     store = RolloutStore(ref.root)
-    rewards = da.from_zarr(store.array_path(ref.step, "reward"))
-    adv = normalize_advantages(rewards, cfg.rollout.group_size, cfg.advantage)
-    import zarr
-
-    target = zarr.open_array(store.array_path(ref.step, "advantage"), mode="r+")
-    da.store(adv, target, lock=False, scheduler="synchronous")
+    adv = normalize_advantages(store.dask_array(ref.step, "reward"), cfg.rollout.group_size, cfg.advantage)
+    store.write_dask(ref.step, "advantage", adv)
     store.mark_complete(ref.step, "advantage")
     r = store.read(ref.step, "reward", "length")
     grouped = r["reward"].reshape(-1, cfg.rollout.group_size)

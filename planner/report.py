@@ -126,7 +126,7 @@ def _inputs(plan: Plan) -> str:
 
 
 def _placement_section(plan: Plan) -> str:
-    cfg, est = plan.config, plan.layout
+    est = plan.layout
     rows = [_step_row(n, f"`{lbl}`", s) for n, lbl, s in _step_cases(plan)]
     table = md_table(["case", "layout", "rollout", "reference", "train", "weight sync", "offload", "step", "tokens/s"], rows)
     parts = ["## 1. Pipeline architecture and scheduling", "", "### 1.1 Colocated or decoupled", "", table, "",

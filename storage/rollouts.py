@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+import dask.array as da
 import numpy as np
 import zarr
 
@@ -175,6 +176,23 @@ class RolloutStore:
             except Exception as exc:
                 raise RolloutStoreError(f"cannot read {name} of {self.ref(step)}: {exc}") from exc
         return out
+
+    def dask_array(self, step: int, name: str) -> "da.Array":
+        """A lazy dask array over one stored array, chunked as stored (whole groups)."""
+        try:
+            return da.from_zarr(self.array_path(step, name))
+        except Exception as exc:
+            raise RolloutStoreError(f"cannot open {name} of {self.ref(step)}: {exc}") from exc
+
+    def write_dask(self, step: int, name: str, values: "da.Array") -> None:
+        """Compute ``values`` chunk by chunk into the stored array (chunks must match: no locks)."""
+        try:
+            target = zarr.open_array(self.array_path(step, name), mode="r+")
+            if values.shape != target.shape:
+                raise ValueError(f"values of shape {values.shape} do not fit {target.shape}")
+            da.store(values.rechunk(target.chunks), target, lock=False, scheduler="synchronous")
+        except Exception as exc:
+            raise RolloutStoreError(f"cannot write {name} of {self.ref(step)}: {exc}") from exc
 
     def array_path(self, step: int, name: str) -> str:
         return f"{self.ref(step).path}/{name}"

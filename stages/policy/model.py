@@ -11,7 +11,6 @@ splits and wraps it.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 

@@ -21,7 +21,7 @@ class PrefixSharedKVCache:
     def __init__(self, num_layers: int, num_prompts: int, group_size: int, prompt_len: int,
                  max_new_tokens: int, num_kv_heads: int, head_dim: int, prompt_mask: torch.Tensor,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        P, G, N = num_prompts, group_size, max_new_tokens
+        P, G = num_prompts, group_size
         shape_p = (num_layers, P, num_kv_heads, prompt_len, head_dim)
         shape_d = (num_layers, P * G, num_kv_heads, max_new_tokens, head_dim)
         self.k_prefix = torch.zeros(shape_p, dtype=dtype, device=device)

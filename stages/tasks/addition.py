@@ -6,7 +6,6 @@ Character-level vocabulary in HF tokenizers format. Prompts of a step are a pure
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders

@@ -214,3 +214,18 @@ def test_negative_start_raises(tmp_path):
     store = make_store(tmp_path)
     with pytest.raises(RolloutStoreError, match="reward"):
         store.write(0, "reward", np.ones(3, np.float32), start=-3)
+
+
+def test_dask_round_trip_and_a_misfit_leaves_the_array_unchanged(tmp_path):
+    import dask.array as da
+
+    store = make_store(tmp_path)
+    rewards = make_values("reward", make_layout())
+    store.write(0, "reward", rewards)
+    lazy = store.dask_array(0, "reward")
+    assert lazy.chunks[0][0] == store.attrs(0)["chunk_samples"]
+    store.write_dask(0, "advantage", lazy * 2)
+    np.testing.assert_array_equal(store.read(0, "advantage")["advantage"], rewards * 2)
+    with pytest.raises(RolloutStoreError, match="advantage"):
+        store.write_dask(0, "advantage", da.zeros(len(rewards) + 1, chunks=8))
+    np.testing.assert_array_equal(store.read(0, "advantage")["advantage"], rewards * 2)

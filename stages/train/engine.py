@@ -119,7 +119,6 @@ class TrainRank:
         self.optimizer = torch.optim.AdamW(self.params, lr=setup.lr, weight_decay=setup.weight_decay)
         self._passes = 0  # training / forward-only passes started: the same sequence on every rank
         self._pass = -1  # the one running (InjectedFault.step, the failure reports' key)
-        self.steps_done = 0
         self.last_forward: Optional[StepResult] = None
         self._shapes: dict[str, dict[str, str]] = {}  # schedule -> input signature of its first step
 
@@ -217,7 +216,6 @@ class TrainRank:
             result = self._forward_backward(call, batch)
             norm = self._clip_grads()
             self.optimizer.step()
-        self.steps_done += 1
         return StepResult(result.rank, {**result.metrics, "grad_norm": norm}, result.actions, result.window_ns)
 
     def forward_backward(self, batch) -> StepResult:

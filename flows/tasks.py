@@ -8,6 +8,8 @@ with copies of its globals, and state kept there would vanish between tasks.
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import time
 from dataclasses import dataclass
@@ -70,15 +72,10 @@ def _codec(policy_path: str) -> TextCodec:
 
 
 def _decoder_config(cfg: GRPOConfig, codec: TextCodec) -> DecoderConfig:
-    m = cfg.model
+    shape = cfg.model.shape(codec.vocab_size)
     return DecoderConfig(
-        vocab_size=codec.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-        num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
-        num_key_value_heads=m.num_key_value_heads, head_dim=m.hidden_size // m.num_attention_heads,
-        rope_theta=m.rope_theta, tie_word_embeddings=m.tie_word_embeddings,
-        attention_bias=m.model_type == "qwen2", model_type=m.model_type,
-        max_position_embeddings=64, bos_token_id=codec.bos_id, eos_token_id=codec.eos_id,
-        pad_token_id=codec.pad_id)
+        **{f.name: getattr(shape, f.name) for f in dataclasses.fields(shape)}, rope_theta=cfg.model.rope_theta,
+        max_position_embeddings=64, bos_token_id=codec.bos_id, eos_token_id=codec.eos_id, pad_token_id=codec.pad_id)
 
 
 def make_base_policy(cfg: GRPOConfig, paths: RunPaths, cache_dir: str) -> PolicyRef:

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from stages.train.layout import SCHEDULES, schedule_error
+from stages.layout import SCHEDULES, ModelShape, attention_bias_of, parallel_layout_error
 from stages.train.plan import MicrobatchLayout, microbatch_layout
 
 __all__ = [
@@ -79,7 +79,9 @@ class ModelConfig:
     """An HF model folder (config.json, *.safetensors, tokenizer.json) to start from. When unset the
     base policy is the task's tiny model, made by a deterministic supervised warm-up and cached."""
     model_type: str = "llama"
-    """Architecture family of the built-in tiny model: llama or qwen2."""
+    """Architecture family of the built-in model: llama or qwen2 (qwen2 carries q/k/v biases)."""
+    vocab_size: Optional[int] = None
+    """Embedding rows of the built-in model; unset: the task tokenizer's size (set it no smaller)."""
     hidden_size: int = 64
     intermediate_size: int = 176
     num_hidden_layers: int = 4
@@ -89,17 +91,25 @@ class ModelConfig:
     rope_theta: float = 10000.0
 
     def __post_init__(self) -> None:
-        _one_of("model.model_type", self.model_type, ("llama", "qwen2"))
         _require(
-            self.num_attention_heads % self.num_key_value_heads == 0,
-            f"model.num_attention_heads={self.num_attention_heads} must be a multiple of "
-            f"model.num_key_value_heads={self.num_key_value_heads}",
-        )
-        _require(
-            self.hidden_size % self.num_attention_heads == 0,
+            self.hidden_size % max(self.num_attention_heads, 1) == 0,
             f"model.hidden_size={self.hidden_size} must be divisible by "
             f"model.num_attention_heads={self.num_attention_heads}",
         )
+        try:
+            self.shape()  # the shared shape's own checks (model_type, sizes, heads vs KV heads)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def shape(self, tokenizer_vocab_size: int = 1) -> ModelShape:
+        """The built-in model's shape (stages/layout), head_dim = hidden_size / heads; the vocabulary
+        is ``vocab_size`` when set, else ``tokenizer_vocab_size`` (no layout rule depends on it)."""
+        return ModelShape(
+            vocab_size=self.vocab_size or tokenizer_vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.hidden_size // self.num_attention_heads, tie_word_embeddings=self.tie_word_embeddings,
+            attention_bias=attention_bias_of(self.model_type, None), model_type=self.model_type)
 
 
 @dataclass(frozen=True)
@@ -247,6 +257,9 @@ class GRPOConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    plan: dict[str, Any] = field(default_factory=dict)
+    """Planner-only settings (cluster, search, activation accounting; planner/config.py documents
+    them). The run ignores this section, so `grpoflow plan` can read the run's own config."""
 
     def __post_init__(self) -> None:
         _require(self.iterations >= 1, "iterations must be >= 1")
@@ -267,11 +280,10 @@ class GRPOConfig:
             self.microbatch_layout  # the token budget holds a sequence; packed rows fit the budget
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-            _require(getattr(m, key) % tp == 0,
-                     f"train.tensor_model_parallel_size={tp} must divide model.{key}={getattr(m, key)}")
-        error = schedule_error(t.schedule, t.pipeline_model_parallel_size, self.num_microbatches,
-                               t.virtual_pipeline_model_parallel_size, m.num_hidden_layers)
+        # The same question the planner asks of a plan (planner/validate.py), in the same words.
+        error = parallel_layout_error(m.shape(), tp=tp, pp=t.pipeline_model_parallel_size,
+                                      virtual=t.virtual_pipeline_model_parallel_size, schedule=t.schedule,
+                                      num_microbatches=self.num_microbatches)
         _require(error is None, error or "")
 
     @property

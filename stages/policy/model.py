@@ -11,12 +11,15 @@ splits and wraps it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from stages.layout import ModelShape, hf_rope_theta, layer_ranges, shape_from_hf
 
 __all__ = [
     "DecoderConfig",
@@ -31,58 +34,25 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class DecoderConfig:
-    """The fields of an HF config.json that define a Llama / Qwen2 decoder."""
+@dataclass(frozen=True, kw_only=True)
+class DecoderConfig(ModelShape):
+    """A decoder the runtime builds: the shared :class:`stages.layout.ModelShape` plus the settings
+    that change no size (RoPE base, norm epsilon, special token ids)."""
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    model_type: str = "llama"
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
     pad_token_id: Optional[int] = None
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> "DecoderConfig":
-        model_type = hf.get("model_type", "llama")
-        if model_type not in ("llama", "qwen2"):
-            raise ValueError(f"config.json model_type={model_type!r} is not supported (llama or qwen2)")
-        heads = hf["num_attention_heads"]
-        # transformers >= 5 nests RoPE settings under rope_parameters; older files use the top level.
-        rope = dict(hf.get("rope_parameters") or {})
-        rope_theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
-        scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        if scaling:
-            raise ValueError(f"config.json RoPE scaling {scaling!r} is not supported; use a model without it")
-        return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_hidden_layers=hf["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta,
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            # Qwen2 always carries q/k/v bias; Llama only when attention_bias is set.
-            attention_bias=model_type == "qwen2" or hf.get("attention_bias", False),
-            model_type=model_type,
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=hf.get("eos_token_id"),
-            pad_token_id=hf.get("pad_token_id"),
-        )
+    def from_hf(cls, hf: Mapping[str, Any], **extra: Any) -> "DecoderConfig":
+        """Shape by the shared parser (one bias rule), RoPE and token ids by the runtime."""
+        return shape_from_hf(
+            hf, cls, rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=hf_rope_theta(hf),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048), bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=hf.get("eos_token_id"), pad_token_id=hf.get("pad_token_id"), **extra)
 
     def to_hf(self) -> dict[str, Any]:
         arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[self.model_type]
@@ -295,22 +265,6 @@ class DecoderStage(nn.Module):
             else:
                 with torch.no_grad():
                     p.copy_(torch.randn(p.shape, generator=generator) * std)
-
-
-def layer_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
-    """Contiguous layer ranges of a pipeline split, earlier stages taking the remainder.
-
-    Pure arithmetic (no process group), shared with the planner's view of a stage.
-    """
-    if not 1 <= num_stages <= num_layers:
-        raise ValueError(f"cannot split {num_layers} layers into {num_stages} pipeline stages")
-    base, extra = divmod(num_layers, num_stages)
-    ranges, start = [], 0
-    for s in range(num_stages):
-        size = base + (1 if s < extra else 0)
-        ranges.append((start, start + size))
-        start += size
-    return ranges
 
 
 def build_stage(cfg: DecoderConfig, stage: int = 0, num_stages: int = 1,

@@ -1,11 +1,14 @@
 """grpoflow planner: analytic memory / KV / bubble / throughput model, schedule simulator, layout search.
 
-Pure arithmetic with sources; no torch, nothing from flows/, stages/ or storage/. The entry points the
-runtime's validation tests call are re-exported here.
+Pure arithmetic with sources; no torch. Of the runtime it imports only the shared, torch-free facts
+(stages.layout: shape, layer split, schedules, placement, TP rules; stages.config: the run schema it
+plans; stages.train.plan: the microbatch count). The entry points the runtime's validation tests call
+are re-exported here.
 """
 
 from planner.calibrate import estimate_durations_from_timeline
-from planner.config import PlanConfig, PlanConfigError, load_plan_config, plan_config_from_dict
+from planner.config import PlanConfig, PlanConfigError
+from planner.loader import load_plan_config, plan_config_from_dict
 from planner.memory import (
     TORCH_EAGER_IMPL,
     ActivationImpl,

@@ -7,7 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from planner.config import PlanConfigError, load_plan_config
+from planner.config import PlanConfigError
+from planner.loader import load_plan_config
 from planner.layout import estimate_step_for_staleness
 from planner.plan import Plan, build_plan
 from planner.serialize import gib, pct, plan_to_dict, secs
@@ -84,8 +85,8 @@ def plan_command(config_path: str, overrides: list[str], out_dir: str | None) ->
 def main(argv: list[str] | None = None) -> int:
     """``python -m planner CONFIG [key=value ...] [--out DIR]``."""
     parser = argparse.ArgumentParser(prog="grpoflow plan", description=__doc__)
-    parser.add_argument("config", help="plan YAML, e.g. configs/seed-70b.yaml")
-    parser.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.schedule=zbv")
+    parser.add_argument("config", help="run YAML (with an optional plan: section), e.g. configs/tiny.yaml")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.schedule=zbv plan.cluster.num_gpus=32")
     parser.add_argument("--out", default=None, help="folder for plan.json, report.md and the PNG plots")
     args = parser.parse_args(argv)
     return plan_command(args.config, args.overrides, args.out)

@@ -1,38 +1,42 @@
-"""Plan configuration: YAML on disk (OmegaConf, ``key=value`` overrides) -> frozen typed dataclasses.
+"""Plan configuration: a run config (configs/*.yaml, the runtime's own schema) plus its ``plan:`` section.
 
-Section and key names follow the runtime config (NeMo/Megatron names in ``train``). Every field is
-documented once, in the docstring under it. Bad input raises :class:`PlanConfigError` with one line
-naming the key and the fix. Top-level sections the planner does not model (e.g. ``storage``) are
-ignored, so a runtime config can be planned as is; unknown keys inside a planner section are errors.
+``grpoflow plan CONFIG`` reads the same YAML ``grpoflow run`` reads: the model from ``model`` (or
+``model.path``'s config.json), the workload from ``task`` and ``rollout``, the layout from ``train``.
+Everything only the planner needs sits in one ``plan:`` section the run ignores::
+
+    plan:
+      activation_impl: torch-eager   # or megatron-te
+      tp_rules: runtime              # or megatron
+      cluster:  {...}                # ClusterConfig
+      train:    {...}                # recompute, distributed_optimizer, sequence_parallel, attention, grad_dtype_bytes
+      workload: {...}                # prompt_len, mean_gen_len
+      rollout:  {...}                # RolloutConfig (placement, engines, staleness, ...)
+      search:   {...}                # SearchConfig
+
+Every field is documented once, in the docstring under it. Bad input raises :class:`PlanConfigError`
+with one line naming the key and the fix; the run's own checks (stages/config.py) run first.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import types
-import typing
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from planner.constants import GIB
-from planner.model import ModelShape, model_from_hf_config, model_from_preset
-from planner.schedules import ScheduleName
+from planner.memory import ActivationImplName
+from planner.model import ModelShape
 from planner.validate import plan_layout_error
+from stages.layout import TP_RULES, ScheduleName, TensorParallelRules
+from stages.train.plan import microbatch_layout
 
 __all__ = [
     "PlanConfigError",
-    "ModelConfig",
     "ClusterConfig",
     "TrainConfig",
     "WorkloadConfig",
     "RolloutConfig",
     "SearchConfig",
     "PlanConfig",
-    "plan_config_from_dict",
-    "load_plan_config",
 ]
 
 Recompute = Literal["none", "selective", "full"]
@@ -44,17 +48,9 @@ class PlanConfigError(ValueError):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ModelConfig:
-    hf_config: str | None = None
-    """Path to an HF ``config.json`` (relative paths resolve against the config file's folder)."""
-    preset: str | None = None
-    """Named shape instead of a file: llama3-70b, llama3-8b, qwen2-7b, qwen2.5-0.5b, qwen2.5-72b."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
 class ClusterConfig:
     num_gpus: int = 64
-    """All GPUs of the job (training plus rollout)."""
+    """All GPUs of the job (training plus rollout); in a run config, unset means the run's pp x dp x tp ranks."""
     gpus_per_node: int = 8
     """GPUs sharing the intra-node (NVLink) fabric."""
     gpu_memory_gib: float | None = 80.0
@@ -93,14 +89,14 @@ class ClusterConfig:
         return self.memory_bytes * self.usable_memory_fraction
 
     def __post_init__(self) -> None:
-        _require(self.num_gpus >= 1, "cluster.num_gpus", "must be >= 1")
-        _require(self.gpus_per_node >= 1, "cluster.gpus_per_node", "must be >= 1")
-        _require(self.memory_bytes > 0, "cluster.gpu_memory_gib", "set gpu_memory_gib or gpu_memory_bytes > 0")
+        _require(self.num_gpus >= 1, "plan.cluster.num_gpus", "must be >= 1")
+        _require(self.gpus_per_node >= 1, "plan.cluster.gpus_per_node", "must be >= 1")
+        _require(self.memory_bytes > 0, "plan.cluster.gpu_memory_gib", "set gpu_memory_gib or gpu_memory_bytes > 0")
         for key in ("usable_memory_fraction", "mfu", "hbm_efficiency"):
-            _require(0 < getattr(self, key) <= 1, f"cluster.{key}", "must be in (0, 1]")
+            _require(0 < getattr(self, key) <= 1, f"plan.cluster.{key}", "must be in (0, 1]")
         for key in ("peak_flops", "hbm_bandwidth_bytes_per_s", "intra_node_bandwidth_bytes_per_s",
                     "inter_node_bandwidth_bytes_per_s", "host_bandwidth_bytes_per_s"):
-            _require(getattr(self, key) > 0, f"cluster.{key}", "must be positive")
+            _require(getattr(self, key) > 0, f"plan.cluster.{key}", "must be positive")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -114,15 +110,14 @@ class TrainConfig:
     virtual_pipeline_model_parallel_size: int = 1
     """v: model chunks per pipeline rank (interleaved-1f1b: >= 2; zbv / dualpipev: exactly 2)."""
     micro_batch_size: int = 1
-    """Sequences per microbatch."""
-    global_batch_size: int | None = None
-    """Sequences per optimiser step; default all prompts_per_step * group_size samples (one update a step)."""
+    """Sequences per microbatch (padded to prompt_len + gen_len; one optimiser update a step, as the runtime)."""
     schedule: ScheduleName = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv, dualpipev."""
-    recompute: Recompute = "selective"
-    """Activation recomputation: none, selective (core attention; Korthikanti 2022), full (every layer)."""
-    distributed_optimizer: bool = True
-    """Shard fp32 master weights and Adam moments over DP (Megatron distributed optimiser / ZeRO-1)."""
+    recompute: Recompute = "none"
+    """Activation recomputation: none (the runtime), selective (core attention; Korthikanti 2022), full (every layer)."""
+    distributed_optimizer: bool = False
+    """Shard fp32 master weights and Adam moments over DP (Megatron distributed optimiser / ZeRO-1); the runtime
+    keeps a whole optimiser on every DP rank."""
     sequence_parallel: bool = True
     """Shard norm/dropout activations over TP along the sequence (Korthikanti 2022, Sec. 4.2.2)."""
     attention: Literal["flash", "flash-masked", "eager"] = "flash"
@@ -134,6 +129,17 @@ class TrainConfig:
     """PPO/GRPO clip: ratios below 1 - clip_eps_low stop contributing when A < 0."""
     clip_eps_high: float = 0.28
     """Clip-higher upper bound (DAPO, Yu et al. 2025): ratios above 1 + clip_eps_high stop when A > 0."""
+    activation_impl: ActivationImplName = "torch-eager"
+    """What a layer saves for backward (planner/memory.py): torch-eager is this runtime's eager PyTorch decoder
+    (4 F-wide SwiGLU tensors, eager RMSNorm and rotary, K/V repeated, no sequence parallelism); megatron-te is
+    Megatron-LM with Transformer Engine (fused SwiGLU: 3 F-wide tensors; fused norm and rotary)."""
+    tp_rules: Literal["runtime", "megatron"] = "runtime"
+    """Tensor-parallel split (stages/layout/tensor_parallel.py): runtime needs TP to divide the KV heads and
+    replicates embedding and lm_head; megatron replicates KV heads when TP > kv heads and shards the vocabulary."""
+
+    @property
+    def tensor_parallel_rules(self) -> TensorParallelRules:
+        return TP_RULES[self.tp_rules]
 
     @property
     def training_gpus(self) -> int:
@@ -143,7 +149,7 @@ class TrainConfig:
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
                     "virtual_pipeline_model_parallel_size", "micro_batch_size"):
             _require(getattr(self, key) >= 1, f"train.{key}", "must be >= 1")
-        _require(self.grad_dtype_bytes in (2, 4), "train.grad_dtype_bytes", "use 2 (bf16) or 4 (fp32)")
+        _require(self.grad_dtype_bytes in (2, 4), "plan.train.grad_dtype_bytes", "use 2 (bf16) or 4 (fp32)")
         _require(0 < self.clip_eps_low < 1, "train.clip_eps_low", "must be in (0, 1)")
         _require(self.clip_eps_high > 0, "train.clip_eps_high", "must be positive")
 
@@ -170,12 +176,12 @@ class WorkloadConfig:
         return self.gen_len if self.mean_gen_len is None else self.mean_gen_len
 
     def __post_init__(self) -> None:
-        _require(self.prompts_per_step >= 1, "workload.prompts_per_step", "must be >= 1")
-        _require(self.group_size >= 2, "workload.group_size", "GRPO needs G >= 2 to normalise inside a group")
-        _require(self.prompt_len >= 1, "workload.prompt_len", "must be >= 1")
-        _require(self.gen_len >= 1, "workload.gen_len", "must be >= 1")
+        _require(self.prompts_per_step >= 1, "plan.workload.prompts_per_step", "must be >= 1")
+        _require(self.group_size >= 2, "plan.workload.group_size", "GRPO needs G >= 2 to normalise inside a group")
+        _require(self.prompt_len >= 1, "plan.workload.prompt_len", "must be >= 1")
+        _require(self.gen_len >= 1, "plan.workload.gen_len", "must be >= 1")
         _require(self.mean_gen_len is None or 1 <= self.mean_gen_len <= self.gen_len,
-                 "workload.mean_gen_len", f"must be between 1 and gen_len ({self.gen_len})")
+                 "plan.workload.mean_gen_len", f"must be between 1 and gen_len ({self.gen_len})")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -184,8 +190,8 @@ class RolloutConfig:
     """colocated: rollout and training take turns on all GPUs; decoupled: rollout_gpus run only rollout."""
     rollout_gpus: int | None = None
     """GPUs dedicated to rollout when decoupled (training gets the rest); unset when colocated."""
-    rollout_tensor_parallel_size: int = 4
-    """TP of each inference engine; engines = rollout GPUs / this."""
+    rollout_tensor_parallel_size: int = 1
+    """TP of each inference engine; engines = rollout GPUs / this (the runtime's own engines use 1)."""
     staleness: int = 0
     """k: policy versions a rollout may lag the trainer (0 = synchronous on-policy)."""
     kv_dtype_bytes: int = 2
@@ -216,18 +222,18 @@ class RolloutConfig:
     """How many times faster the hot tokens' log-ratio std grows."""
 
     def __post_init__(self) -> None:
-        _require(self.rollout_gpus is None or self.rollout_gpus >= 1, "rollout.rollout_gpus", "must be >= 1")
-        _require(self.rollout_tensor_parallel_size >= 1, "rollout.rollout_tensor_parallel_size", "must be >= 1")
-        _require(self.staleness >= 0, "rollout.staleness", "must be >= 0")
-        _require(self.kv_dtype_bytes in (1, 2, 4), "rollout.kv_dtype_bytes", "use 1, 2 or 4")
-        _require(self.page_size >= 1, "rollout.page_size", "must be >= 1")
-        _require(self.speculative_draft_tokens >= 0, "rollout.speculative_draft_tokens", "must be >= 0")
-        _require(0 < self.speculative_acceptance < 1, "rollout.speculative_acceptance", "must be in (0, 1)")
-        _require(self.draft_cost_ratio >= 0, "rollout.draft_cost_ratio", "must be >= 0")
-        _require(self.logratio_std_per_step >= 0, "rollout.logratio_std_per_step", "must be >= 0")
-        _require(self.logratio_std_mismatch >= 0, "rollout.logratio_std_mismatch", "must be >= 0")
-        _require(0 <= self.drift_hot_token_share <= 1, "rollout.drift_hot_token_share", "must be in [0, 1]")
-        _require(self.drift_hot_std_multiplier >= 1, "rollout.drift_hot_std_multiplier", "must be >= 1")
+        _require(self.rollout_gpus is None or self.rollout_gpus >= 1, "plan.rollout.rollout_gpus", "must be >= 1")
+        _require(self.rollout_tensor_parallel_size >= 1, "plan.rollout.rollout_tensor_parallel_size", "must be >= 1")
+        _require(self.staleness >= 0, "plan.rollout.staleness", "must be >= 0")
+        _require(self.kv_dtype_bytes in (1, 2, 4), "plan.rollout.kv_dtype_bytes", "use 1, 2 or 4")
+        _require(self.page_size >= 1, "plan.rollout.page_size", "must be >= 1")
+        _require(self.speculative_draft_tokens >= 0, "plan.rollout.speculative_draft_tokens", "must be >= 0")
+        _require(0 < self.speculative_acceptance < 1, "plan.rollout.speculative_acceptance", "must be in (0, 1)")
+        _require(self.draft_cost_ratio >= 0, "plan.rollout.draft_cost_ratio", "must be >= 0")
+        _require(self.logratio_std_per_step >= 0, "plan.rollout.logratio_std_per_step", "must be >= 0")
+        _require(self.logratio_std_mismatch >= 0, "plan.rollout.logratio_std_mismatch", "must be >= 0")
+        _require(0 <= self.drift_hot_token_share <= 1, "plan.rollout.drift_hot_token_share", "must be in [0, 1]")
+        _require(self.drift_hot_std_multiplier >= 1, "plan.rollout.drift_hot_std_multiplier", "must be >= 1")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -240,15 +246,14 @@ class SearchConfig:
     """Share of the memory cap a recommended layout must leave free (tighter ones are listed, not recommended)."""
 
     def __post_init__(self) -> None:
-        _require(self.top_k >= 1, "search.top_k", "must be >= 1")
-        _require(0 <= self.min_headroom_fraction < 1, "search.min_headroom_fraction", "must be in [0, 1)")
+        _require(self.top_k >= 1, "plan.search.top_k", "must be >= 1")
+        _require(0 <= self.min_headroom_fraction < 1, "plan.search.min_headroom_fraction", "must be in [0, 1)")
 
 
 @dataclass(frozen=True, kw_only=True)
 class PlanConfig:
-    """Everything a plan needs; ``model_shape`` is resolved from ``model`` by the loader."""
+    """Everything a plan needs, in the planner's sections (the loader maps a run config onto them)."""
 
-    model: ModelConfig
     model_shape: ModelShape
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -268,12 +273,17 @@ class PlanConfig:
 
     @property
     def global_batch_size(self) -> int:
-        return self.train.global_batch_size or self.workload.num_samples
+        """Samples per optimiser update: the whole step, as the runtime trains (one update a step)."""
+        return self.workload.num_samples
 
     @property
     def num_microbatches(self) -> int:
-        """m per optimiser step per DP replica: global batch / (DP * micro_batch_size)."""
-        return self.global_batch_size // (self.train.data_parallel_size * self.train.micro_batch_size)
+        """m per DP replica: the runtime's own count (stages/train/plan.py) for padded rows of
+        micro_batch_size sequences: whole groups per microbatch while they fit, rounded up to DP."""
+        wl, tr = self.workload, self.train
+        layout = microbatch_layout(wl.prompts_per_step, wl.group_size, wl.prompt_len, wl.gen_len,
+                                   tr.micro_batch_size * self.seq_len, False, None, tr.data_parallel_size)
+        return layout.num_microbatches // tr.data_parallel_size
 
     @property
     def seq_len(self) -> int:
@@ -290,99 +300,3 @@ def _require(condition: bool, key: str, fix: str) -> None:
         raise PlanConfigError(f"{key}: {fix}")
 
 
-# ---- parsing ----------------------------------------------------------------------------------------
-
-_SECTIONS: dict[str, type] = {
-    "model": ModelConfig, "cluster": ClusterConfig, "train": TrainConfig,
-    "workload": WorkloadConfig, "rollout": RolloutConfig, "search": SearchConfig,
-}
-
-
-def plan_config_from_dict(data: Mapping[str, Any], *, base_dir: str | Path = ".") -> PlanConfig:
-    """Validate a plain nested dict (parsed YAML) into a :class:`PlanConfig`."""
-    sections: dict[str, Any] = {}
-    for name, cls in _SECTIONS.items():
-        raw = data.get(name) or {}
-        if not isinstance(raw, Mapping):
-            raise PlanConfigError(f"{name}: expected a mapping of keys, got {type(raw).__name__}")
-        sections[name] = _build_section(cls, name, raw)
-    shape = _resolve_model(sections["model"], Path(base_dir))
-    return PlanConfig(model_shape=shape, **sections)
-
-
-def load_plan_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> PlanConfig:
-    """Read YAML at ``path`` with OmegaConf, apply ``key=value`` dotlist overrides, validate."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    path = Path(path)
-    if not path.is_file():
-        raise PlanConfigError(f"config: no file at {path}; pass the path of a plan YAML (e.g. configs/seed-70b.yaml)")
-    for item in overrides:
-        if "=" not in item or item.startswith("="):
-            raise PlanConfigError(f"override {item!r}: write overrides as section.key=value, e.g. train.schedule=zbv")
-    try:
-        merged = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides)))
-        data = OmegaConf.to_container(merged, resolve=True)
-    except (OmegaConfBaseException, ValueError) as exc:
-        raise PlanConfigError(f"config {path}: cannot parse ({str(exc).splitlines()[0]})") from exc
-    if not isinstance(data, dict):
-        raise PlanConfigError(f"config {path}: top level must be a mapping of sections")
-    return plan_config_from_dict(data, base_dir=path.parent)
-
-
-def _build_section(cls: type, name: str, raw: Mapping[str, Any]) -> Any:
-    hints = typing.get_type_hints(cls)
-    known = [f.name for f in dataclasses.fields(cls)]
-    values = {}
-    for key, value in raw.items():
-        if key not in known:
-            raise PlanConfigError(f"{name}.{key}: unknown key; known keys of {name}: {', '.join(known)}")
-        values[key] = _coerce(value, hints[key], f"{name}.{key}")
-    return cls(**values)
-
-
-def _coerce(value: Any, hint: Any, key: str) -> Any:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is Literal:
-        if value not in args:
-            raise PlanConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, args))}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        options = [a for a in args if a is not type(None)]
-        return _coerce(value, options[0], key)
-    if hint is bool and not isinstance(value, bool):
-        raise PlanConfigError(f"{key}: expected true or false, got {value!r}")
-    if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise PlanConfigError(f"{key}: expected an integer, got {value!r}")
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise PlanConfigError(f"{key}: expected a number, got {value!r}")
-        return float(value)
-    if hint is str and not isinstance(value, str):
-        raise PlanConfigError(f"{key}: expected a string, got {value!r}")
-    return value
-
-
-def _resolve_model(model: ModelConfig, base_dir: Path) -> ModelShape:
-    if (model.hf_config is None) == (model.preset is None):
-        raise PlanConfigError("model: set exactly one of model.hf_config (path to config.json) or model.preset")
-    try:
-        if model.preset is not None:
-            return model_from_preset(model.preset)
-        path = Path(model.hf_config or "")
-        if not path.is_absolute() and not path.exists():
-            path = base_dir / path
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise PlanConfigError(f"model.hf_config: no file at {model.hf_config}; give the path of a config.json")
-        return model_from_hf_config(json.loads(path.read_text()), name=path.parent.name or path.stem)
-    except (ValueError, json.JSONDecodeError) as exc:
-        if isinstance(exc, PlanConfigError):
-            raise
-        raise PlanConfigError(f"model: {exc}") from exc

@@ -8,7 +8,10 @@ TP = 1) it reduces exactly to the paper's formula. Terms, per token of one layer
 
     replicated unless sequence-parallel: 2 norm inputs, QKV input, MLP input (dtype*h each),
                                           2 dropout masks (h bytes each, only with dropout)
-    sharded over TP:  Q, K, V, attention output (dtype * q/kv dims), MLP: GeLU 2*dtype*F, SwiGLU 4*dtype*F
+    sharded over TP:  Q, K, V, attention output (dtype * q/kv dims), MLP: GeLU 2*dtype*F; SwiGLU eager
+                      4*dtype*F (gate and up outputs, silu(gate), their product: what autograd saves for
+                      this runtime's decoder), fused 3*dtype*F (Megatron's fused SwiGLU / TE keep the
+                      2F-wide fc1 output and the F-wide down_proj input)
     core attention:   eager softmax output dtype*a*s (+ dropout mask a*s and output dtype*a*s);
                       flash keeps only the fp32 log-sum-exp 4*a
 
@@ -24,19 +27,21 @@ from typing import Literal
 
 from planner.constants import ADAM_STATE_BYTES_PER_PARAM, BF16_BYTES, FP32_BYTES, INT64_BYTES, MASK_BYTES
 from planner.model import ModelShape, estimate_kv_bytes_per_token, estimate_layer_parameter_count
+from stages.layout import RUNTIME_TP, TensorParallelRules, kv_heads_per_rank
 
 __all__ = [
     "ActivationImpl",
+    "ActivationImplName",
     "TORCH_EAGER_IMPL",
+    "MEGATRON_TE_IMPL",
+    "ACTIVATION_IMPLS",
     "ActivationBreakdown",
     "estimate_activation_breakdown",
     "estimate_activation_bytes_per_microbatch",
     "estimate_logits_buffer_bytes",
-    "split_layers",
     "estimate_stage_parameters",
     "estimate_kv_cache_bytes",
     "estimate_kv_cache_bytes_per_gpu",
-    "kv_heads_per_gpu",
     "estimate_weight_bytes",
     "estimate_optimizer_bytes",
 ]
@@ -44,7 +49,8 @@ __all__ = [
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ActivationImpl:
-    """How the layer implementation saves tensors; defaults describe Megatron/TE with FlashAttention."""
+    """How the layer implementation saves tensors; the defaults describe Megatron-LM with Transformer
+    Engine and FlashAttention (fused norms, rotary and SwiGLU, sequence parallelism)."""
 
     attention: Literal["flash", "flash-masked", "eager"] = "flash"
     """flash keeps O and the log-sum-exp only; flash-masked (a fused kernel given an explicit mask, e.g. torch
@@ -60,13 +66,20 @@ class ActivationImpl:
     """K/V repeated to all query heads before attention (HF ``repeat_kv``): saved K, V are q_dim wide."""
     rope: Literal["fused", "eager"] = "fused"
     """eager rotary embedding keeps its cos and sin tables for q and for k: 4 * head_dim * dtype per token."""
+    swiglu: Literal["fused", "eager"] = "fused"
+    """fused keeps 3 F-wide tensors per layer (fc1 output 2F, down_proj input F); eager autograd keeps 4
+    (gate and up outputs, silu(gate), their product)."""
 
 
 # A plain-PyTorch Llama/Qwen2 (HF-style modules, F.scaled_dot_product_attention, repeat of K/V, eager RMSNorm
 # and rotary): what grpoflow's own decoder saves. Packed rows pass a mask: use attention="flash-masked".
 # Checked to the byte against saved_tensors_hooks on that decoder (fp32 and bf16, Llama and Qwen2 shapes).
 TORCH_EAGER_IMPL = ActivationImpl(attention="flash", rmsnorm="eager", expand_kv=True, rope="eager",
-                                  sequence_parallel=False)
+                                  swiglu="eager", sequence_parallel=False)
+# Megatron-LM + Transformer Engine: fused RMSNorm, rotary and SwiGLU, FlashAttention, sequence parallel.
+MEGATRON_TE_IMPL = ActivationImpl()
+ActivationImplName = Literal["torch-eager", "megatron-te"]
+ACTIVATION_IMPLS: dict[str, ActivationImpl] = {"torch-eager": TORCH_EAGER_IMPL, "megatron-te": MEGATRON_TE_IMPL}
 
 Recompute = Literal["none", "selective", "full"]
 
@@ -106,7 +119,7 @@ def _layer_bytes_per_token(model: ModelShape, seq_len: int, dtype_bytes: int, re
     rope_tables = 4 * model.head_dim * dtype_bytes if impl.rope == "eager" else 0  # [b, 1, s, d], not TP-sharded
     kv_width = model.q_dim if impl.expand_kv else model.kv_dim
     attention = dtype_bytes * (model.q_dim + 2 * kv_width + model.q_dim)
-    mlp = (4 if model.gated_mlp else 2) * dtype_bytes * f
+    mlp = ((4 if impl.swiglu == "eager" else 3) if model.gated_mlp else 2) * dtype_bytes * f
     core = 0.0
     if recompute == "none":
         if impl.attention == "eager":
@@ -122,8 +135,12 @@ def estimate_activation_breakdown(model: ModelShape, micro_batch_size: int, seq_
                                   dtype_bytes: int = BF16_BYTES, recompute: Recompute = "none", *,
                                   is_first_stage: bool = False, is_last_stage: bool = False,
                                   tensor_parallel_size: int = 1, impl: ActivationImpl | None = None,
-                                  logits_dtype_bytes: int = FP32_BYTES) -> ActivationBreakdown:
-    """Itemised activation stash of one microbatch on one stage (see module docstring for terms)."""
+                                  logits_dtype_bytes: int = FP32_BYTES, vocab_parallel: bool = True
+                                  ) -> ActivationBreakdown:
+    """Itemised activation stash of one microbatch on one stage (see module docstring for terms).
+
+    ``vocab_parallel``: lm_head sharded over TP (Megatron), so each rank keeps V/TP log-probs; False
+    (the runtime's replicated lm_head) keeps all V on every TP rank."""
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
     impl = impl or ActivationImpl()
@@ -135,7 +152,8 @@ def estimate_activation_breakdown(model: ModelShape, micro_batch_size: int, seq_
         seq_div = tp if impl.sequence_parallel else 1
         h = model.hidden_size
         # final norm + lm_head input, then the log-softmax the token log-prob gather keeps (and its index)
-        loss = logits_dtype_bytes * model.vocab_size / tp + (INT64_BYTES if logits_dtype_bytes else 0)
+        vocab_div = tp if vocab_parallel else 1
+        loss = logits_dtype_bytes * model.vocab_size / vocab_div + (INT64_BYTES if logits_dtype_bytes else 0)
         head = math.ceil(tokens * ((_norm_bytes_per_token(h, dtype_bytes, impl) + dtype_bytes * h) / seq_div + loss))
     return ActivationBreakdown(per_layer, per_layer * layers_in_stage, embedding, head)
 
@@ -145,7 +163,7 @@ def estimate_activation_bytes_per_microbatch(model: ModelShape, micro_batch_size
                                              recompute: Recompute = "none", *, is_first_stage: bool = False,
                                              is_last_stage: bool = False, tensor_parallel_size: int = 1,
                                              impl: ActivationImpl | None = None,
-                                             logits_dtype_bytes: int = FP32_BYTES) -> int:
+                                             logits_dtype_bytes: int = FP32_BYTES, vocab_parallel: bool = True) -> int:
     """Bytes one microbatch keeps for backward on a stage of ``layers_in_stage`` layers (per TP rank).
 
     GPT shape, eager attention with dropout, TP = 1: ``layers * (34*s*b*h + 5*a*s^2*b)`` exactly
@@ -157,7 +175,7 @@ def estimate_activation_bytes_per_microbatch(model: ModelShape, micro_batch_size
     return estimate_activation_breakdown(
         model, micro_batch_size, seq_len, layers_in_stage, dtype_bytes, recompute,
         is_first_stage=is_first_stage, is_last_stage=is_last_stage, tensor_parallel_size=tensor_parallel_size,
-        impl=impl, logits_dtype_bytes=logits_dtype_bytes,
+        impl=impl, logits_dtype_bytes=logits_dtype_bytes, vocab_parallel=vocab_parallel,
     ).total_bytes
 
 
@@ -167,27 +185,20 @@ def estimate_logits_buffer_bytes(model: ModelShape, tokens: int, tensor_parallel
     return tokens * model.vocab_size // tensor_parallel_size * (dtype_bytes + FP32_BYTES)
 
 
-def split_layers(num_layers: int, num_stages: int) -> tuple[int, ...]:
-    """Layers per virtual stage: even split, earlier stages take the remainder (the runtime's
-    ``layer_ranges`` in stages/policy/model.py, so planner and runtime cut the model the same way)."""
-    if not 1 <= num_stages <= num_layers:
-        raise ValueError(f"cannot split {num_layers} layers into {num_stages} stages")
-    base, extra = divmod(num_layers, num_stages)
-    return tuple(base + (1 if stage < extra else 0) for stage in range(num_stages))
-
-
 def estimate_stage_parameters(model: ModelShape, layers: int, *, has_embedding: bool, has_head: bool,
-                              tensor_parallel_size: int = 1, single_stage: bool = False) -> int:
+                              tensor_parallel_size: int = 1, single_stage: bool = False,
+                              tp_rules: TensorParallelRules = RUNTIME_TP) -> int:
     """Parameters one TP rank of a stage holds: TP-sharded matmuls, replicated norms.
 
-    Embedding and lm_head are vocab-parallel over TP (Megatron). With tied embeddings and several
-    stages, the last stage keeps its own copy of the matrix (Megatron syncs the two gradients).
+    Embedding and lm_head are replicated over TP (the runtime) or vocab-parallel (Megatron,
+    ``tp_rules.vocab_parallel_embedding``). With tied embeddings and several stages, the last stage
+    keeps its own copy of the matrix (both sum the two gradients).
     """
     tp, h = tensor_parallel_size, model.hidden_size
     norms = 2 * h
     per_layer = (estimate_layer_parameter_count(model) - norms) // tp + norms
     params = layers * per_layer
-    vocab_matrix = model.vocab_size * h // tp
+    vocab_matrix = model.vocab_size * h // (tp if tp_rules.vocab_parallel_embedding else 1)
     if has_embedding:
         params += vocab_matrix
     if has_head:
@@ -235,11 +246,6 @@ def estimate_kv_cache_bytes(model: ModelShape, num_prompts: int, group_size: int
     return per_token * samples * pages(prompt_len + gen_len)
 
 
-def kv_heads_per_gpu(model: ModelShape, tensor_parallel_size: int) -> int:
-    """KV heads each TP rank stores; with TP > n_kv the heads are replicated, one per rank."""
-    return max(1, model.num_key_value_heads // tensor_parallel_size)
-
-
 def estimate_kv_cache_bytes_per_gpu(total_kv_bytes: float, model: ModelShape, tensor_parallel_size: int) -> float:
     """Share of a whole-model KV cache one GPU of a TP engine holds."""
-    return total_kv_bytes * kv_heads_per_gpu(model, tensor_parallel_size) / model.num_key_value_heads
+    return total_kv_bytes * kv_heads_per_rank(model, tensor_parallel_size) / model.num_key_value_heads

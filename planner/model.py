@@ -1,12 +1,9 @@
-"""Decoder shape (Llama / Qwen2 family) from an HF config.json, exact parameter counts, FLOPs per token.
+"""Decoder shape for the planner (the shared :class:`stages.layout.ModelShape` plus a report label),
+published presets, exact parameter counts and FLOPs per token.
 
-Parameter layout per decoder layer (HF ``LlamaDecoderLayer`` / ``Qwen2DecoderLayer``)::
-
-    q_proj [h, n_heads*d]   k_proj [h, n_kv*d]   v_proj [h, n_kv*d]   o_proj [n_heads*d, h]
-    gate_proj, up_proj [h, F]   down_proj [F, h]   input_layernorm, post_attention_layernorm [h]
-
-plus ``embed_tokens [V, h]``, the final ``norm [h]`` and ``lm_head [h, V]`` (absent when tied).
-Qwen2 adds biases to q/k/v (``attention_bias``); Llama has none.
+The shape and its HF config.json parsing live in :mod:`stages.layout.shape` (the runtime's
+``DecoderConfig`` extends the same class), so planner and runtime read a config.json the same way:
+qwen2 always has q/k/v biases, llama when ``attention_bias`` is set.
 """
 
 from __future__ import annotations
@@ -16,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from planner.constants import BF16_BYTES, CAUSAL_ATTENTION_FLOP_FACTOR
+from stages.layout import ModelShape as _SharedShape
+from stages.layout import shape_from_hf
 
 __all__ = [
     "ModelShape",
@@ -29,53 +28,14 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ModelShape:
-    """Shape of a Llama/Qwen2-family decoder; every size the planner needs and nothing else."""
+@dataclass(frozen=True, kw_only=True)
+class ModelShape(_SharedShape):
+    """The shared decoder shape plus what only the planner needs."""
 
     name: str = "custom"
     """Label used in reports."""
-    hidden_size: int
-    """h: residual stream width."""
-    num_layers: int
-    """L: decoder layers (HF ``num_hidden_layers``)."""
-    num_attention_heads: int
-    """a: query heads."""
-    num_key_value_heads: int
-    """KV heads (GQA); equals ``num_attention_heads`` for plain multi-head attention."""
-    intermediate_size: int
-    """F: MLP inner width."""
-    vocab_size: int
-    """V: vocabulary (rows of the embedding and of lm_head)."""
-    head_dim: int
-    """d: per-head width; HF default hidden_size // num_attention_heads."""
-    tie_word_embeddings: bool = False
-    """lm_head shares the embedding matrix (no separate parameters)."""
-    attention_bias: bool = False
-    """q/k/v projections carry biases (Qwen2)."""
     gated_mlp: bool = True
     """SwiGLU (gate, up, down). False means a GPT-style 2-matrix MLP, used only to check the paper formula."""
-
-    def __post_init__(self) -> None:
-        for key in ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",
-                    "intermediate_size", "vocab_size", "head_dim"):
-            if getattr(self, key) <= 0:
-                raise ValueError(f"model.{key} must be positive, got {getattr(self, key)}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
-
-    @property
-    def q_dim(self) -> int:
-        """Width of the query projection output, n_heads * d."""
-        return self.num_attention_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        """Width of one of the key/value projection outputs, n_kv * d."""
-        return self.num_key_value_heads * self.head_dim
 
 
 # HF config.json values of the published checkpoints (hidden, layers, heads, kv heads, FFN, vocab, tied, bias).
@@ -95,34 +55,11 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 
 
 def model_from_hf_config(config: Mapping[str, Any], name: str = "custom") -> ModelShape:
-    """Build a :class:`ModelShape` from a parsed HF ``config.json`` dict.
+    """Build a :class:`ModelShape` from a parsed HF ``config.json`` dict (:func:`stages.layout.shape_from_hf`).
 
-    ``head_dim`` defaults to ``hidden_size // num_attention_heads`` and ``num_key_value_heads`` to
-    ``num_attention_heads`` (as in ``transformers.LlamaConfig``). Qwen2 configs have no ``attention_bias``
-    key; their q/k/v projections always carry a bias, so ``model_type == "qwen2"`` implies it.
+    RoPE scaling changes no size, so it is accepted here; the runtime's decoder rejects it.
     """
-    try:
-        hidden = int(config["hidden_size"])
-        heads = int(config["num_attention_heads"])
-        shape = dict(
-            hidden_size=hidden,
-            num_layers=int(config["num_hidden_layers"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-            intermediate_size=int(config["intermediate_size"]),
-            vocab_size=int(config["vocab_size"]),
-        )
-    except KeyError as exc:
-        raise ValueError(f"HF config for {name!r} lacks required key {exc.args[0]!r}") from exc
-    is_qwen2 = str(config.get("model_type", "")).startswith("qwen2")
-    bias = config.get("attention_bias")
-    return ModelShape(
-        name=name,
-        head_dim=int(config.get("head_dim") or hidden // heads),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        attention_bias=is_qwen2 if bias is None else bool(bias),
-        **shape,
-    )
+    return shape_from_hf(config, ModelShape, name=name)
 
 
 def model_from_preset(preset: str) -> ModelShape:
@@ -150,7 +87,7 @@ def estimate_parameter_count(model: ModelShape) -> int:
     """
     embedding = model.vocab_size * model.hidden_size
     lm_head = 0 if model.tie_word_embeddings else embedding
-    return embedding + model.num_layers * estimate_layer_parameter_count(model) + model.hidden_size + lm_head
+    return embedding + model.num_hidden_layers * estimate_layer_parameter_count(model) + model.hidden_size + lm_head
 
 
 def estimate_kv_bytes_per_token(model: ModelShape, dtype_bytes: int = BF16_BYTES) -> int:
@@ -158,7 +95,7 @@ def estimate_kv_bytes_per_token(model: ModelShape, dtype_bytes: int = BF16_BYTES
 
     Llama-3-70B in bf16: 2 * 80 * 8 * 128 * 2 = 327,680 bytes (Kwon et al. 2023, PagedAttention, Sec. 2).
     """
-    return 2 * model.num_layers * model.kv_dim * dtype_bytes
+    return 2 * model.num_hidden_layers * model.kv_dim * dtype_bytes
 
 
 def estimate_forward_flops_per_token(model: ModelShape, context_len: int, *, include_lm_head: bool = True) -> float:
@@ -168,8 +105,8 @@ def estimate_forward_flops_per_token(model: ModelShape, context_len: int, *, inc
     part is PaLM App. B's 12*L*h*s for forward+backward, i.e. 4*L*q_dim*s forward, halved for causal
     masking (FlashAttention-2 skips masked blocks). Embedding lookups cost no FLOPs.
     """
-    matmul_params = model.num_layers * estimate_layer_parameter_count(model)
+    matmul_params = model.num_hidden_layers * estimate_layer_parameter_count(model)
     if include_lm_head:
         matmul_params += model.vocab_size * model.hidden_size
-    attention = 4 * model.num_layers * model.q_dim * context_len * CAUSAL_ATTENTION_FLOP_FACTOR
+    attention = 4 * model.num_hidden_layers * model.q_dim * context_len * CAUSAL_ATTENTION_FLOP_FACTOR
     return 2.0 * matmul_params + attention

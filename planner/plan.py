@@ -193,7 +193,7 @@ def _kv_summary(cfg: PlanConfig) -> KVSummary:
     model, wl, ro = cfg.model_shape, cfg.workload, cfg.rollout
     args = (model, wl.prompts_per_step, wl.group_size, wl.prompt_len, wl.gen_len, ro.kv_dtype_bytes)
     return KVSummary(
-        per_token_bytes=2 * model.num_layers * model.kv_dim * ro.kv_dtype_bytes,
+        per_token_bytes=2 * model.num_hidden_layers * model.kv_dim * ro.kv_dtype_bytes,
         step_shared_bytes=estimate_kv_cache_bytes(*args, share_prefix=True),
         step_unshared_bytes=estimate_kv_cache_bytes(*args, share_prefix=False),
         step_paged_bytes=estimate_kv_cache_bytes(*args, share_prefix=True, page_size=ro.page_size),

@@ -11,7 +11,8 @@ import matplotlib.pyplot as plt  # noqa: E402  (backend must be chosen first)
 
 from planner.constants import GIB  # noqa: E402
 from planner.plan import Plan  # noqa: E402
-from planner.schedules import estimate_closed_form_bubble, schedule_constraint_error  # noqa: E402
+from planner.schedules import estimate_closed_form_bubble  # noqa: E402
+from stages.layout import schedule_error  # noqa: E402
 from planner.simulator import ActionDurations, simulate_schedule  # noqa: E402
 
 __all__ = ["write_plots", "PLOT_FILES"]
@@ -43,7 +44,7 @@ def _timeline(plan: Plan, path: Path) -> None:
     p = plan.config.train.pipeline_model_parallel_size
     m = 2 * p
     rows = [r for r in plan.schedules
-            if r.durations is not None and schedule_constraint_error(r.schedule, p, m, r.num_virtual) is None]
+            if r.durations is not None and schedule_error(r.schedule, p, m, r.num_virtual) is None]
     fig, axes = plt.subplots(len(rows), 1, figsize=(12, 1.1 + 0.32 * p * len(rows)), squeeze=False)
     for ax, row in zip(axes[:, 0], rows):
         sim = simulate_schedule(row.schedule, p, m, row.num_virtual, row.durations)
@@ -70,7 +71,7 @@ def _bubble(plan: Plan, path: Path) -> None:
     p = plan.config.train.pipeline_model_parallel_size
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for i, row in enumerate(r for r in plan.schedules):
-        ms = [m for m in range(p, 8 * p + 1, p) if schedule_constraint_error(row.schedule, p, m, row.num_virtual) is None]
+        ms = [m for m in range(p, 8 * p + 1, p) if schedule_error(row.schedule, p, m, row.num_virtual) is None]
         v = row.num_virtual
         sims = [simulate_schedule(row.schedule, p, m, v, ActionDurations(
             forward_s=1 / v, backward_input_s=1 / v, backward_weight_s=1 / v), keep_events=False).bubble_fraction

@@ -106,7 +106,7 @@ def _inputs(plan: Plan) -> str:
     cfg = plan.config
     m, cl, tr, wl, ro = cfg.model_shape, cfg.cluster, cfg.train, cfg.workload, cfg.rollout
     rows = [
-        ["model", f"{m.name}: h={m.hidden_size}, L={m.num_layers}, heads={m.num_attention_heads}, "
+        ["model", f"{m.name}: h={m.hidden_size}, L={m.num_hidden_layers}, heads={m.num_attention_heads}, "
                   f"kv heads={m.num_key_value_heads}, FFN={m.intermediate_size}, vocab={m.vocab_size}"],
         ["cluster", f"{cl.num_gpus} GPUs, {cl.gpus_per_node}/node, {gib(cl.memory_bytes, 0)}, "
                     f"{cl.peak_flops / 1e12:.0f} TFLOP/s bf16 at MFU {cl.mfu}, "

@@ -8,7 +8,8 @@ from collections import OrderedDict
 
 from planner.constants import BF16_BYTES
 from planner.layout import estimate_step_for_staleness
-from planner.memory import ActivationImpl, estimate_activation_breakdown
+from planner.memory import estimate_activation_breakdown
+from planner.training import activation_impl_of
 from planner.plan import Plan
 from planner.plots import PLOT_FILES
 from planner.rollout import speculative_tokens_per_step
@@ -36,9 +37,9 @@ def _img(name: str, alt: str) -> str:
 def _per_layer_bytes(plan: Plan, recompute: str) -> int:
     cfg = plan.config
     tr = cfg.train
-    impl = ActivationImpl(attention=tr.attention, sequence_parallel=tr.sequence_parallel)
     return estimate_activation_breakdown(cfg.model_shape, tr.micro_batch_size, cfg.seq_len, 1, BF16_BYTES, recompute,
-                                         tensor_parallel_size=tr.tensor_model_parallel_size, impl=impl).per_layer_bytes
+                                         tensor_parallel_size=tr.tensor_model_parallel_size,
+                                         impl=activation_impl_of(tr)).per_layer_bytes
 
 
 def memory_section(plan: Plan) -> str:
@@ -49,10 +50,10 @@ def memory_section(plan: Plan) -> str:
             for m in est.memory]
     first, last = est.memory[0], est.memory[-1]
     layers = est.train_step.simulation.stage_ranks
-    impl = ActivationImpl(attention=tr.attention, sequence_parallel=tr.sequence_parallel)
     head = estimate_activation_breakdown(cfg.model_shape, tr.micro_batch_size, cfg.seq_len, 0, BF16_BYTES, tr.recompute,
                                          is_last_stage=True, tensor_parallel_size=tr.tensor_model_parallel_size,
-                                         impl=impl).head_bytes
+                                         impl=activation_impl_of(tr),
+                                         vocab_parallel=tr.tensor_parallel_rules.vocab_parallel_embedding).head_bytes
     recompute_rows = [[mode, gib(_per_layer_bytes(plan, mode), 3)] for mode in ("none", "selective", "full")]
     sim = est.train_step.simulation
     idle_per_rank = sim.bubble_fraction * est.train_step.pipeline_s
@@ -71,7 +72,8 @@ def memory_section(plan: Plan) -> str:
         f"log-probs ({gib(head)} per microbatch), plus transient bf16 logits and their fp32 gradient "
         f"({gib(last.logits_bytes)}) while the loss is back-propagated. Those scale with the vocabulary, not with the "
         "layers. Per layer and microbatch the stash is (Korthikanti et al. 2022, itemised for GQA/SwiGLU, "
-        f"{tr.attention} attention, {'sequence' if tr.sequence_parallel else 'no sequence'} parallelism):", "",
+        f"{tr.activation_impl} accounting, {tr.attention} attention, "
+        f"{'sequence' if activation_impl_of(tr).sequence_parallel else 'no sequence'} parallelism):", "",
         md_table(["recompute", "bytes per layer per microbatch"], recompute_rows), "",
         ("With FlashAttention nothing of size s x s is kept, so selective recompute saves nothing here; full recompute "
          "keeps only each layer's input." if tr.attention == "flash" else

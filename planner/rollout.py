@@ -96,9 +96,9 @@ def estimate_decode_step_s(cfg: PlanConfig, batch: int, context_len: float, *, t
     """One decode step of ``batch`` sequences at ``context_len`` on one engine (roofline + TP latency)."""
     model, cluster, tp = cfg.model_shape, cfg.cluster, cfg.rollout.rollout_tensor_parallel_size
     flops = batch * tokens_per_seq * estimate_forward_flops_per_token(model, 0) / tp
-    flops += batch * tokens_per_seq * 4 * model.num_layers * model.q_dim * context_len / tp
+    flops += batch * tokens_per_seq * 4 * model.num_hidden_layers * model.q_dim * context_len / tp
     weights = estimate_parameter_count(model) * BF16_BYTES / tp
-    kv_total = batch * context_len * 2 * model.num_layers * model.kv_dim * cfg.rollout.kv_dtype_bytes
+    kv_total = batch * context_len * 2 * model.num_hidden_layers * model.kv_dim * cfg.rollout.kv_dtype_bytes
     kv = estimate_kv_cache_bytes_per_gpu(kv_total, model, tp)
     compute_s = flops / (cluster.peak_flops * cluster.mfu)
     memory_s = (weights + kv) / (cluster.hbm_bandwidth_bytes_per_s * cluster.hbm_efficiency)
@@ -106,7 +106,7 @@ def estimate_decode_step_s(cfg: PlanConfig, batch: int, context_len: float, *, t
     if tp > 1:
         msg = batch * tokens_per_seq * model.hidden_size * BF16_BYTES
         per_collective = 2 * (tp - 1) / tp * msg / cluster.intra_node_bandwidth_bytes_per_s + cluster.collective_latency_s
-        comm_s = 2 * model.num_layers * per_collective
+        comm_s = 2 * model.num_hidden_layers * per_collective
     return max(compute_s, memory_s) + comm_s
 
 
@@ -184,7 +184,7 @@ def estimate_weight_sync(cfg: PlanConfig, rollout: RolloutEstimate, *, in_flight
         pp = cfg.train.pipeline_model_parallel_size
         local = per_receiver / pp if cfg.train.tensor_model_parallel_size == ro.rollout_tensor_parallel_size else 0.0
         transfer = (per_receiver - local) / cluster.inter_node_bandwidth_bytes_per_s
-    transfer += cluster.collective_latency_s * 2 * model.num_layers
+    transfer += cluster.collective_latency_s * 2 * model.num_hidden_layers
     wl = cfg.workload
     tokens = rollout.concurrent_groups * (wl.prompt_len + wl.group_size * wl.mean_generated / 2) if in_flight else 0.0
     pages = tokens / ro.page_size

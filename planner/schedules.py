@@ -24,7 +24,9 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Literal, NamedTuple, get_args
+from typing import NamedTuple
+
+from stages.layout import SCHEDULES, ScheduleName, schedule_error, stage_to_rank
 
 __all__ = [
     "ScheduleName",
@@ -32,8 +34,6 @@ __all__ = [
     "Action",
     "PipelineOrder",
     "build_pipeline_order",
-    "stage_to_rank",
-    "schedule_constraint_error",
     "bubble_fraction_gpipe",
     "bubble_fraction_1f1b",
     "bubble_fraction_interleaved",
@@ -41,10 +41,8 @@ __all__ = [
     "estimate_closed_form_bubble",
 ]
 
-ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev"]
-SCHEDULES: tuple[str, ...] = get_args(ScheduleName)
-_V_SHAPED = ("zbv", "dualpipev")
-_SPLIT_BACKWARD = ("zb-h1", "zbv", "dualpipev")
+# Names, torch's constraints (schedule_error) and stage placement (stage_to_rank) are shared with the
+# runtime in stages/layout/pipeline.py; this module adds the action orders and the closed forms.
 
 
 class Action(NamedTuple):
@@ -74,37 +72,6 @@ class PipelineOrder:
         return self.num_ranks * self.num_virtual
 
 
-def stage_to_rank(schedule: str, num_ranks: int, num_virtual: int) -> tuple[int, ...]:
-    """Rank of each virtual stage: looped (``s % p``) or, for V schedules, ``s`` then ``2p-1-s``."""
-    total = num_ranks * num_virtual
-    if schedule in _V_SHAPED:
-        return tuple(s if s < num_ranks else total - 1 - s for s in range(total))
-    return tuple(s % num_ranks for s in range(total))
-
-
-def schedule_constraint_error(schedule: str, num_ranks: int, num_microbatches: int, num_virtual: int) -> str | None:
-    """Why (schedule, p, m, v) cannot run, phrased with the fix; ``None`` when it can."""
-    if schedule not in SCHEDULES:
-        return f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}"
-    if num_ranks < 1 or num_microbatches < 1 or num_virtual < 1:
-        return "pipeline ranks, microbatches and virtual stages must all be >= 1"
-    if schedule in ("gpipe", "1f1b", "zb-h1") and num_virtual != 1:
-        return f"{schedule} runs one stage per rank; set virtual_pipeline_model_parallel_size=1"
-    if schedule in _V_SHAPED and num_virtual != 2:
-        return f"{schedule} places exactly two stages per rank; set virtual_pipeline_model_parallel_size=2"
-    if schedule == "interleaved-1f1b":
-        if num_virtual < 2:
-            return "interleaved-1f1b needs virtual_pipeline_model_parallel_size >= 2 (or use 1f1b)"
-        rounds = max(1, num_microbatches // num_ranks)
-        if num_microbatches % rounds:
-            return (f"interleaved-1f1b needs microbatches ({num_microbatches}) to be a multiple of the number of "
-                    f"rounds ({rounds}); use a multiple of pipeline_model_parallel_size ({num_ranks})")
-    if schedule == "dualpipev" and num_microbatches < 2 * num_ranks:
-        return (f"dualpipev needs at least 2*PP = {2 * num_ranks} microbatches, got {num_microbatches}; "
-                "lower micro_batch_size or raise the batch")
-    return None
-
-
 @lru_cache(maxsize=1024)  # orders are immutable and the search asks for the same ones many times
 def build_pipeline_order(schedule: str, num_ranks: int, num_microbatches: int, num_virtual: int = 1,
                          *, loss_group_microbatches: int = 1) -> PipelineOrder:
@@ -114,7 +81,7 @@ def build_pipeline_order(schedule: str, num_ranks: int, num_microbatches: int, n
     statistic computed inside the pipeline): only ``gpipe``/``1f1b`` support it, and 1F1B then needs k-1
     extra warm-up forwards on every rank.
     """
-    error = schedule_constraint_error(schedule, num_ranks, num_microbatches, num_virtual)
+    error = schedule_error(schedule, num_ranks, num_microbatches, num_virtual)
     if error:
         raise ValueError(error)
     if loss_group_microbatches > 1 and schedule not in ("gpipe", "1f1b"):

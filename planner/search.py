@@ -151,7 +151,8 @@ def _static_memory_bytes(cfg: PlanConfig) -> float:
         params = sum(estimate_stage_parameters(model, layout.layers[s], has_embedding=s == 0,
                                                has_head=s == layout.last,
                                                tensor_parallel_size=train.tensor_model_parallel_size,
-                                               single_stage=len(layout.layers) == 1)
+                                               single_stage=len(layout.layers) == 1,
+                                               tp_rules=train.tensor_parallel_rules)
                      for s, r in enumerate(layout.ranks) if r == rank)
         total = params * (2 + train.grad_dtype_bytes) + estimate_optimizer_bytes(
             params, train.data_parallel_size, train.distributed_optimizer)

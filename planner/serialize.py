@@ -85,8 +85,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     """Everything the report shows, as plain JSON types."""
     cfg = plan.config
     out: dict[str, Any] = {
-        "config": {name: _plain(getattr(cfg, name)) for name in ("model", "cluster", "train", "workload",
-                                                                  "rollout", "search")},
+        "config": {name: _plain(getattr(cfg, name)) for name in ("cluster", "train", "workload", "rollout",
+                                                                  "search")},
         "model_shape": _plain(cfg.model_shape),
         "parameter_count": estimate_parameter_count(cfg.model_shape),
         "configured": _layout_dict(plan.layout),

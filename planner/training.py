@@ -20,15 +20,15 @@ from functools import lru_cache
 from planner.config import ClusterConfig, PlanConfig, TrainConfig
 from planner.constants import BF16_BYTES, CAUSAL_ATTENTION_FLOP_FACTOR
 from planner.memory import (
+    ACTIVATION_IMPLS,
     ActivationImpl,
     estimate_activation_bytes_per_microbatch,
     estimate_logits_buffer_bytes,
     estimate_optimizer_bytes,
     estimate_stage_parameters,
-    split_layers,
 )
 from planner.model import ModelShape, estimate_layer_parameter_count
-from planner.schedules import stage_to_rank
+from stages.layout import layers_per_stage, stage_to_rank
 from planner.simulator import ActionDurations, ScheduleSimulation, simulate_peak_stash_bytes, simulate_schedule
 
 _ADAM_STEP_BYTES_PER_PARAM = 30  # HBM traffic of one Adam update per parameter, see estimate_train_step
@@ -38,6 +38,7 @@ __all__ = [
     "TrainingMemory",
     "TrainStepEstimate",
     "estimate_stage_layout",
+    "activation_impl_of",
     "estimate_action_durations",
     "estimate_train_step",
     "estimate_training_memory",
@@ -124,7 +125,7 @@ def pipeline_hop_crosses_node(train: TrainConfig, gpus_per_node: int) -> bool:
 def estimate_stage_layout(model: ModelShape, train: TrainConfig) -> StageLayout:
     """Layer split over the p*v virtual stages and the rank of each."""
     p, v = train.pipeline_model_parallel_size, train.virtual_pipeline_model_parallel_size
-    return StageLayout(split_layers(model.num_layers, p * v), stage_to_rank(train.schedule, p, v), p)
+    return StageLayout(layers_per_stage(model.num_hidden_layers, p * v), stage_to_rank(train.schedule, p, v), p)
 
 
 def _stage_flops(model: ModelShape, layers: int, tokens: int, seq_len: int, has_head: bool,
@@ -164,13 +165,18 @@ def estimate_action_durations(model: ModelShape, cluster: ClusterConfig, train: 
         per_stage[stage, "B"] = per_stage[stage, "I"] + per_stage[stage, "W"]
     hop_bw = (cluster.inter_node_bandwidth_bytes_per_s if pipeline_hop_crosses_node(train, cluster.gpus_per_node)
               else cluster.intra_node_bandwidth_bytes_per_s)
-    shard = tp if train.sequence_parallel else 1
+    shard = tp if activation_impl_of(train).sequence_parallel else 1
     p2p = act_bytes / shard / hop_bw + cluster.collective_latency_s
     return ActionDurations(per_stage=per_stage, p2p_s=p2p)
 
 
-def _activation_impl(train: TrainConfig) -> ActivationImpl:
-    return ActivationImpl(attention=train.attention, sequence_parallel=train.sequence_parallel)
+def activation_impl_of(train: TrainConfig) -> ActivationImpl:
+    """What a layer saves under ``train.activation_impl``, with the configured attention kernel. The eager
+    decoder has no sequence parallelism; Megatron/TE follows ``train.sequence_parallel``."""
+    impl = ACTIVATION_IMPLS[train.activation_impl]
+    if train.activation_impl == "torch-eager":
+        return dataclasses.replace(impl, attention=train.attention)
+    return dataclasses.replace(impl, attention=train.attention, sequence_parallel=train.sequence_parallel)
 
 
 def estimate_stage_activation_bytes(model: ModelShape, train: TrainConfig, seq_len: int, layout: StageLayout) -> dict[int, float]:
@@ -178,7 +184,8 @@ def estimate_stage_activation_bytes(model: ModelShape, train: TrainConfig, seq_l
         stage: float(estimate_activation_bytes_per_microbatch(
             model, train.micro_batch_size, seq_len, layers, BF16_BYTES, train.recompute,
             is_first_stage=stage == 0, is_last_stage=stage == layout.last,
-            tensor_parallel_size=train.tensor_model_parallel_size, impl=_activation_impl(train)))
+            tensor_parallel_size=train.tensor_model_parallel_size, impl=activation_impl_of(train),
+            vocab_parallel=train.tensor_parallel_rules.vocab_parallel_embedding))
         for stage, layers in enumerate(layout.layers)
     }
 
@@ -217,14 +224,16 @@ def estimate_training_memory(cfg: PlanConfig, simulation: ScheduleSimulation | N
     tokens = train.micro_batch_size * seq_len
     one_layer = estimate_activation_bytes_per_microbatch(
         model, train.micro_batch_size, seq_len, 1, BF16_BYTES, "none",
-        tensor_parallel_size=tp, impl=_activation_impl(train))
+        tensor_parallel_size=tp, impl=activation_impl_of(train))
     in_flight = simulation.peak_in_flight_per_rank
+    vocab_tp = tp if train.tensor_parallel_rules.vocab_parallel_embedding else 1  # logits shard only with lm_head
     result = []
     for rank in range(layout.num_ranks):
         stages = [s for s, r in enumerate(layout.ranks) if r == rank]
         params = sum(estimate_stage_parameters(model, layout.layers[s], has_embedding=s == 0,
                                                has_head=s == layout.last, tensor_parallel_size=tp,
-                                               single_stage=len(layout.layers) == 1) for s in stages)
+                                               single_stage=len(layout.layers) == 1,
+                                               tp_rules=train.tensor_parallel_rules) for s in stages)
         holds_last = layout.last in stages
         result.append(TrainingMemory(
             rank=rank,
@@ -232,7 +241,7 @@ def estimate_training_memory(cfg: PlanConfig, simulation: ScheduleSimulation | N
             grads_bytes=params * train.grad_dtype_bytes,
             optimizer_bytes=estimate_optimizer_bytes(params, dp, train.distributed_optimizer),
             activation_bytes=stash[rank],
-            logits_bytes=estimate_logits_buffer_bytes(model, tokens, tp) if holds_last else 0.0,
+            logits_bytes=estimate_logits_buffer_bytes(model, tokens, vocab_tp) if holds_last else 0.0,
             working_bytes=float(one_layer),
             peak_in_flight=in_flight[rank],
         ))
@@ -288,7 +297,8 @@ def estimate_train_step(cfg: PlanConfig, durations: ActionDurations | None = Non
     tp, dp = train.tensor_model_parallel_size, train.data_parallel_size
     params_per_gpu = max(
         sum(estimate_stage_parameters(model, layout.layers[s], has_embedding=s == 0, has_head=s == layout.last,
-                                      tensor_parallel_size=tp) for s, r in enumerate(layout.ranks) if r == rank)
+                                      tensor_parallel_size=tp, tp_rules=train.tensor_parallel_rules)
+            for s, r in enumerate(layout.ranks) if r == rank)
         for rank in range(p))
     dp_bw = (cluster.intra_node_bandwidth_bytes_per_s if tp * dp <= cluster.gpus_per_node
              else cluster.inter_node_bandwidth_bytes_per_s)

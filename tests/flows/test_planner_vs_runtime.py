@@ -20,7 +20,7 @@ from planner import (
     simulate_schedule,
 )
 from planner.calibrate import estimate_durations_from_trace, measured_step_seconds, relative_error
-from planner.memory import split_layers
+from stages.layout import layers_per_stage
 from stages.policy import hf_state
 from stages.rollout import SamplingParams, generate
 from stages.train.batch import build_global_batch
@@ -112,7 +112,7 @@ def test_activation_estimate_matches_the_saved_tensor_bytes_of_every_stage(model
     outputs = run_local_pipeline(setup, hf_state(model), [padded, packed], optimizer_step=False)
 
     shape, num_stages = model_from_hf_config(cfg.to_hf()), 4
-    layers = split_layers(cfg.num_hidden_layers, num_stages)
+    layers = layers_per_stage(cfg.num_hidden_layers, num_stages)
     assert layers == (2, 1, 1, 1)
     masked = dataclasses.replace(TORCH_EAGER_IMPL, attention="flash-masked")
     for call, (batch, impl) in enumerate([(padded, TORCH_EAGER_IMPL), (packed, masked)]):

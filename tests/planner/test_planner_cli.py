@@ -5,16 +5,18 @@ import json
 import pytest
 
 from planner.cli import main, plan_command
-from planner.config import load_plan_config
+from planner.loader import load_plan_config
 from planner.model import estimate_parameter_count
 from planner.plan import build_plan
 from planner.plots import PLOT_FILES
 from planner.report import render_report
 from planner_factories import SEED_CONFIG
 
-SMALL_OVERRIDES = ["model.preset=llama3-8b", "cluster.num_gpus=16", "train.pipeline_model_parallel_size=4",
-                   "train.data_parallel_size=1", "workload.prompts_per_step=8", "workload.gen_len=512",
-                   "search.enabled=false"]
+# Llama-3-8B (HF config.json sizes) on 16 GPUs, 8 prompts of 1024 + 512 tokens, no search
+SMALL_OVERRIDES = ["model.hidden_size=4096", "model.intermediate_size=14336", "model.num_hidden_layers=32",
+                   "model.num_attention_heads=32", "model.num_key_value_heads=8", "plan.cluster.num_gpus=16",
+                   "train.pipeline_model_parallel_size=4", "train.data_parallel_size=1", "task.prompts_per_step=8",
+                   "rollout.max_new_tokens=512", "plan.search.enabled=false"]
 
 
 def test_plan_command_writes_json_report_and_plots(tmp_path, capsys):
@@ -32,9 +34,15 @@ def test_plan_command_writes_json_report_and_plots(tmp_path, capsys):
 
 
 def test_bad_config_returns_2_with_one_line(capsys):
-    assert plan_command(str(SEED_CONFIG), ["train.data_parallel_size=3"], None) == 2
+    assert plan_command(str(SEED_CONFIG), ["train.data_parallel_size=4"], None) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("grpoflow plan: train: TP*PP*DP") and "\n" not in err
+
+
+def test_the_runtime_tiny_config_writes_a_report(tmp_path, capsys):
+    assert plan_command(str(SEED_CONFIG.parent / "tiny.yaml"), ["plan.search.enabled=false"], str(tmp_path)) == 0
+    assert "plan: TP1 PP2 DP1 1f1b v1 mbs64 none" in capsys.readouterr().out
+    assert "parameters" in (tmp_path / "report.md").read_text()
 
 
 def test_module_entry_point_parses_arguments(capsys):

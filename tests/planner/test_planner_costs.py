@@ -62,7 +62,7 @@ def test_decode_step_is_the_hbm_roofline_plus_tp_latency():
     kv = 4 * 1000 * 2 * 32 * 1024 * 2  # batch 4, context 1000, 131,072 B per token
     bandwidth = c.hbm_bandwidth_bytes_per_s * c.hbm_efficiency
     assert estimate_decode_step_s(cfg, 4, 1000) == pytest.approx((weights + kv) / bandwidth)
-    assert m.num_layers == 32
+    assert m.num_hidden_layers == 32
 
 
 def test_rollout_concurrency_is_limited_by_the_kv_budget():

@@ -15,9 +15,9 @@ from planner.memory import (
     estimate_kv_cache_bytes_per_gpu,
     estimate_optimizer_bytes,
     estimate_stage_parameters,
-    split_layers,
 )
 from planner.model import estimate_parameter_count, model_from_preset
+from stages.layout import MEGATRON_TP, layers_per_stage
 from planner_factories import make_gpt_shape, make_model
 
 S, B, H, A = 2048, 2, 1024, 16
@@ -49,11 +49,15 @@ def test_selective_recompute_leaves_34sbh_and_full_leaves_the_layer_input():
 def test_llama_layer_itemised_by_hand():
     # Llama-3-70B, 1 x 5120 tokens, TP 4 + SP, flash, no dropout, per token:
     # replicated/4: 2 norm inputs + QKV input + MLP input = 4 * 2 * 8192 / 4 = 16384
-    # sharded/4: Q 8192 + K,V 2*1024 + attn out 8192 (x2 B) = 36864; SwiGLU 4 * 2 * 28672 = 229376; lse 4 * 64
+    # sharded/4: Q 8192 + K,V 2*1024 + attn out 8192 (x2 B) = 36864; lse 4 * 64;
+    # SwiGLU fused (Megatron/TE, the default): fc1 out 2F + down_proj input F = 3 * 2 * 28672 = 172032,
+    # eager autograd also keeps silu(gate): 4 * 2 * 28672 = 229376
     model = model_from_preset("llama3-70b")
-    per_token = 16384 + (36864 + 229376 + 256) / 4
-    got = estimate_activation_bytes_per_microbatch(model, 1, 5120, 1, 2, "none", tensor_parallel_size=4)
-    assert got == 5120 * per_token
+    fused = estimate_activation_bytes_per_microbatch(model, 1, 5120, 1, 2, "none", tensor_parallel_size=4)
+    assert fused == 5120 * (16384 + (36864 + 172032 + 256) / 4)
+    eager = estimate_activation_bytes_per_microbatch(model, 1, 5120, 1, 2, "none", tensor_parallel_size=4,
+                                                     impl=ActivationImpl(swiglu="eager"))
+    assert eager == 5120 * (16384 + (36864 + 229376 + 256) / 4)
 
 
 def test_last_stage_adds_lm_head_input_and_fp32_log_softmax():
@@ -125,17 +129,9 @@ def test_kv_per_gpu_replicates_heads_when_tp_exceeds_kv_heads():
     assert estimate_kv_cache_bytes_per_gpu(1000.0, model, 8) == 500.0  # one (replicated) head per rank
 
 
-def test_split_layers_gives_the_remainder_to_earlier_stages_like_the_runtime():
-    assert split_layers(80, 8) == (10,) * 8
-    assert split_layers(81, 8) == (11, 10, 10, 10, 10, 10, 10, 10)
-    assert split_layers(10, 3) == (4, 3, 3)
-    with pytest.raises(ValueError):
-        split_layers(4, 5)
-
-
 def test_stage_parameters_sum_to_the_model_without_tp():
     model = model_from_preset("llama3-70b")
-    layers = split_layers(80, 8)
+    layers = layers_per_stage(80, 8)
     total = sum(estimate_stage_parameters(model, n, has_embedding=s == 0, has_head=s == 7) for s, n in enumerate(layers))
     assert total == estimate_parameter_count(model)
 
@@ -143,3 +139,14 @@ def test_stage_parameters_sum_to_the_model_without_tp():
 def test_distributed_optimizer_divides_adam_state_by_dp():
     assert estimate_optimizer_bytes(1000, 4, True) == 3000
     assert estimate_optimizer_bytes(1000, 4, False) == 12000
+
+
+def test_embedding_is_replicated_over_tp_by_the_runtime_and_vocab_parallel_under_megatron():
+    # Llama-3-70B first stage of 10 layers at TP 4: per layer (855,654,400 - 2*8192)/4 + 2*8192 sharded/replicated;
+    # embedding 128256 * 8192 = 1,050,673,152 whole (runtime) or / 4 (Megatron)
+    model = model_from_preset("llama3-70b")
+    layers = 10 * ((855_654_400 - 2 * 8192) // 4 + 2 * 8192)
+    runtime = estimate_stage_parameters(model, 10, has_embedding=True, has_head=False, tensor_parallel_size=4)
+    megatron = estimate_stage_parameters(model, 10, has_embedding=True, has_head=False, tensor_parallel_size=4,
+                                         tp_rules=MEGATRON_TP)
+    assert runtime == layers + 1_050_673_152 and megatron == layers + 1_050_673_152 // 4

@@ -8,8 +8,10 @@ from planner_factories import make_plan_config
 
 @pytest.fixture(scope="module")
 def result():
-    # Llama-3-8B on 16 x 24 GiB: small enough that memory rejects many layouts, fast enough to search
-    return search_layouts(make_plan_config(cluster={"gpu_memory_gib": 24.0}, search={"enabled": True}))
+    # Llama-3-8B on 16 x 24 GiB with Megatron/TE accounting: small enough that memory rejects many layouts
+    # and leaves decoupled splits in, fast enough to search
+    return search_layouts(make_plan_config(cluster={"gpu_memory_gib": 24.0}, search={"enabled": True},
+                                           train={"activation_impl": "megatron-te", "tp_rules": "megatron"}))
 
 
 def test_feasible_layouts_fit_and_come_fastest_first(result):

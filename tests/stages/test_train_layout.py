@@ -7,7 +7,8 @@ import pytest
 
 from flows.config import load_config
 from stages.config import ConfigError
-from stages.train.layout import SCHEDULES, MeshCoord, ParallelLayout, schedule_error
+from stages.layout import (SCHEDULES, MeshCoord, ModelShape, ParallelLayout, layers_per_stage, schedule_error,
+                           shape_from_hf)
 from stages.train.timeline import Action, bubble_fraction
 
 # The tiny config at the size these checks were worked out for: 16 prompts x G 8 = 128 samples.
@@ -93,3 +94,32 @@ def test_3d_layout_config():
 def test_bubble_counts_compute_only():
     acts = [Action("F", 0, 0, 0, 30), Action("RECV_B", 0, 0, 30, 60, peer=1, wait_ns=30), Action("B", 0, 0, 60, 100)]
     assert bubble_fraction(acts, 0, 200) == pytest.approx(1 - 70 / 200)
+
+
+_HF = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+       "intermediate_size": 128, "vocab_size": 100}
+
+
+@pytest.mark.parametrize("extra, bias", [
+    ({}, False), ({"attention_bias": True}, True), ({"model_type": "qwen2"}, True),
+    ({"model_type": "qwen2", "attention_bias": False}, True)])  # Qwen2's q/k/v always carry a bias
+def test_one_bias_rule_for_hf_configs(extra, bias):
+    shape = shape_from_hf({**_HF, **extra})
+    assert shape.attention_bias is bias and shape.head_dim == 16 and shape.kv_dim == 32
+
+
+def test_shape_parsing_names_what_is_wrong():
+    with pytest.raises(ValueError, match="lacks required key 'vocab_size'"):
+        shape_from_hf({k: v for k, v in _HF.items() if k != "vocab_size"})
+    with pytest.raises(ValueError, match="model.model_type='mistral'"):
+        shape_from_hf({**_HF, "model_type": "mistral"})
+    with pytest.raises(ValueError, match="multiple of model.num_key_value_heads=3"):
+        ModelShape(**{**_HF, "num_key_value_heads": 3, "head_dim": 16})
+
+
+def test_layer_split_gives_the_remainder_to_earlier_stages():
+    assert layers_per_stage(80, 8) == (10,) * 8
+    assert layers_per_stage(81, 8) == (11, 10, 10, 10, 10, 10, 10, 10)
+    assert layers_per_stage(10, 3) == (4, 3, 3)
+    with pytest.raises(ValueError, match="cannot split 4 layers into 5"):
+        layers_per_stage(4, 5)

@@ -122,7 +122,7 @@ def _model_shape(run: GRPOConfig, base_dir: Path) -> ModelShape:
     if not m.path:
         shape = m.shape(_task_vocab_size())
         fields = {f.name: getattr(shape, f.name) for f in dataclasses.fields(shape)}
-        return ModelShape(**fields, name=f"{run.run_name} (built-in {m.model_type})")
+        return ModelShape(**fields, name=run.run_name)
     path = Path(m.path)
     if not path.is_absolute() and not path.exists():
         path = base_dir / path

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*")
     p.add_argument("--port", type=int, default=5000)
     p.set_defaults(fn=_cmd_ui)
-    p = sub.add_parser("plan", help="memory, bubble and throughput of a GRPO deployment")
+    p = sub.add_parser("plan", help="memory, bubble and throughput of what a run config would do (plan: section for the cluster)")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--out", default=None, help="write plan.json, report.md and plots here")

@@ -46,8 +46,8 @@ import torch
 from torch import nn
 
 __all__ = ["LossConfig", "OffPolicyConfig", "TARGET_FIELDS", "ImportanceWeights", "TokenTerms",
-           "importance_weights", "grpo_token_terms", "grpo_microbatch_loss", "LossStats", "token_logp",
-           "grpo_chunked_loss", "chunked_token_logp", "make_chunked_loss"]
+           "importance_weights", "grpo_token_terms", "grpo_logp_loss", "grpo_microbatch_loss", "LossStats",
+           "token_logp", "grpo_chunked_loss", "chunked_token_logp", "make_chunked_loss"]
 
 # Channels of the packed per-token target tensor [B, T, len(TARGET_FIELDS)]: the pipeline API
 # hands the last stage one target tensor, so everything the loss needs travels in it.
@@ -261,15 +261,20 @@ def _terms_sums(terms: TokenTerms) -> torch.Tensor:
     return torch.stack([t.detach().sum() for t in terms[1:]])
 
 
-def grpo_microbatch_loss(logits: torch.Tensor, target: torch.Tensor, cfg: LossConfig):
-    """(loss scalar, LossStats) of one microbatch. logits: [B, T, V]; target: [B, T, F]."""
-    logp = token_logp(logits, target[..., _NEXT], cfg.temperature)
+def grpo_logp_loss(logp: torch.Tensor, target: torch.Tensor, cfg: LossConfig):
+    """(loss scalar, LossStats) of one microbatch from its token log-probs. logp: [...];
+    target: [..., F]."""
     isw = importance_weights(target, cfg.off_policy)
     terms = grpo_token_terms(logp, target, cfg, isw.weight if cfg.off_policy.decoupled else None)
     loss = (terms.loss * _selected(target[..., _MASK] > 0, target[..., _W])).sum()
     with torch.no_grad():
         stats = LossStats.of(float(loss), _terms_sums(terms), isw, target[..., _MASK])
     return loss, stats
+
+
+def grpo_microbatch_loss(logits: torch.Tensor, target: torch.Tensor, cfg: LossConfig):
+    """(loss scalar, LossStats) of one microbatch. logits: [B, T, V]; target: [B, T, F]."""
+    return grpo_logp_loss(token_logp(logits, target[..., _NEXT], cfg.temperature), target, cfg)
 
 
 def _chunk_logp(h: torch.Tensor, weight: torch.Tensor, next_ids: torch.Tensor, temperature: float):

@@ -149,3 +149,36 @@ def test_build_global_batch_fills_prox_and_drops_failed_samples(prox):
 def test_reward_failed_needs_group_size():
     with pytest.raises(ValueError, match="group_size"):
         build_global_batch(rollout_arrays(False), "token-mean", 0, reward_failed=np.zeros(6, bool))
+
+
+def test_off_policy_microbatch_losses_sum_to_full_batch_loss():
+    """With sequence-level weights, failed rewards and packed rows, the microbatch losses are still
+    an exact split of the full-batch loss: a sequence never straddles two rows."""
+    from conftest import make_model, make_rollout_arrays
+    from stages.train.loss import grpo_microbatch_loss
+    from stages.train.plan import microbatch_layout
+
+    model = make_model()
+    arrays = make_rollout_arrays(model, num_groups=4, group_size=4)
+    rng = np.random.default_rng(1)
+    noise = rng.normal(scale=0.3, size=arrays["behav_logp"].shape).astype(np.float32)
+    arrays["prox_logp"] = arrays["behav_logp"] + noise
+    failed = np.zeros(16, bool)
+    failed[[1, 4, 5, 6]] = True  # group 1 keeps one valid sample: all four out
+    layout = microbatch_layout(4, 4, 5, 6, 44, packing=True, pack_row_tokens=22)
+    batch = build_global_batch(arrays, "seq-mean-token-mean", 0, layout, reward_failed=failed, group_size=4)
+    off = OffPolicyConfig(decoupled=True, is_level="sequence", is_mode="mask", is_cap=1.5, dual_clip=True)
+    cfg = LossConfig(0.2, 0.28, kl_beta=0.1, off_policy=off)
+    kw = batch.stage_kwargs()
+    rows = batch.input_ids.shape[0] // layout.num_microbatches
+    with torch.no_grad():
+        full, stats = grpo_microbatch_loss(model(batch.input_ids, **kw), batch.target, cfg)
+        parts = 0.0
+        for s in range(0, batch.input_ids.shape[0], rows):
+            logits = model(batch.input_ids[s:s + rows], **{k: v[s:s + rows] for k, v in kw.items()})
+            parts = parts + grpo_microbatch_loss(logits, batch.target[s:s + rows], cfg)[0]
+    torch.testing.assert_close(parts, full, rtol=1e-6, atol=1e-7)
+    trained = np.ones(16, bool)
+    trained[[1, 4, 5, 6, 7]] = False
+    assert stats.tokens == arrays["length"][trained].sum()
+    assert 0 < stats.is_masked_sum < stats.tokens  # the cap binds on some sequences, not all

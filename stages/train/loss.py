@@ -45,7 +45,7 @@ from typing import Callable, Literal, NamedTuple, Optional
 import torch
 from torch import nn
 
-__all__ = ["LossConfig", "OffPolicyConfig", "TARGET_FIELDS", "ImportanceWeights", "TokenTerms",
+__all__ = ["LossConfig", "OffPolicyConfig", "IS_LEVELS", "IS_MODES", "TARGET_FIELDS", "ImportanceWeights", "TokenTerms",
            "importance_weights", "grpo_token_terms", "grpo_logp_loss", "grpo_microbatch_loss", "LossStats",
            "token_logp", "grpo_chunked_loss", "chunked_token_logp", "make_chunked_loss"]
 
@@ -206,7 +206,9 @@ def grpo_token_terms(logp: torch.Tensor, target: torch.Tensor, cfg: LossConfig,
     with torch.no_grad():
         behav = (logp - old).clamp(-b, b)
         behav_kl = _selected(mask, torch.exp(behav) - behav - 1.0)
-        clip_low = (clip_binds & (ratio < 1.0 - cfg.clip_eps_low) & mask & ~dual).float()
+        # The PPO clip binds only on the optimistic side (r < 1 - eps with A < 0, r > 1 + eps with
+        # A > 0), the dual clip only on the pessimistic side of A < 0: the three never overlap.
+        clip_low = (clip_binds & (ratio < 1.0 - cfg.clip_eps_low) & mask).float()
         clip_high = (clip_binds & (ratio > 1.0 + cfg.clip_eps_high) & mask).float()
     return TokenTerms(per_token, _selected(mask, kl.detach()), behav_kl, clip_low, clip_high, (dual & mask).float())
 
@@ -214,7 +216,9 @@ def grpo_token_terms(logp: torch.Tensor, target: torch.Tensor, cfg: LossConfig,
 @dataclass
 class LossStats:
     """Sums over the microbatches of one step, the last field a max; turned into metrics on the
-    last stage. clipped_sum counts the PPO clip (low + high), not the dual clip."""
+    last stage. clipped_sum counts the PPO clip (low + high), not the dual clip. The importance
+    weight fields count tokens (a sequence-level weight once per token of its sequence), raw
+    weights before the cap; kl_behav is the k3 estimate of KL(behaviour || current)."""
 
     loss: float = 0.0
     kl_sum: float = 0.0
@@ -268,7 +272,7 @@ def grpo_logp_loss(logp: torch.Tensor, target: torch.Tensor, cfg: LossConfig):
     terms = grpo_token_terms(logp, target, cfg, isw.weight if cfg.off_policy.decoupled else None)
     loss = (terms.loss * _selected(target[..., _MASK] > 0, target[..., _W])).sum()
     with torch.no_grad():
-        stats = LossStats.of(float(loss), _terms_sums(terms), isw, target[..., _MASK])
+        stats = LossStats.of(float(loss.detach()), _terms_sums(terms), isw, target[..., _MASK])
     return loss, stats
 
 

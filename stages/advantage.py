@@ -5,27 +5,59 @@
 
 std is the population standard deviation (ddof=0). A group whose rewards are all equal has zero
 deviation from its mean, so its advantages are exactly 0, never NaN.
+
+A sample whose reward failed (timeout, exception: stages/reward) carries no learning signal: mean
+and std run over the group's valid samples only, and the failed sample gets A = 0. A group left
+with fewer than MIN_VALID_PER_GROUP valid samples has nothing to be relative to: every sample of
+it gets A = 0 and is left out of the loss (:func:`trained_samples`, used by stages/train/batch.py).
 """
 
 from __future__ import annotations
+
+from typing import Optional, TypeVar
 
 import dask.array as da
 import numpy as np
 
 from stages.config import AdvantageConfig
 
-__all__ = ["normalize_advantages"]
+__all__ = ["normalize_advantages", "trained_samples", "MIN_VALID_PER_GROUP"]
+
+MIN_VALID_PER_GROUP = 2  # one valid sample alone has no group to be relative to
+
+_Array = TypeVar("_Array", np.ndarray, da.Array)
 
 
-def normalize_advantages(rewards: da.Array, group_size: int, cfg: AdvantageConfig) -> da.Array:
-    """rewards: [num_samples] with chunks that are multiples of group_size -> advantages [num_samples]."""
+def trained_samples(valid: _Array, group_size: int) -> _Array:
+    """valid: [num_samples] bool (the reward was scored) -> [num_samples] bool: valid and in a group
+    with >= MIN_VALID_PER_GROUP valid samples. numpy in, numpy out; dask in, dask out."""
+    grouped = valid.astype(bool).reshape(-1, group_size)  # (num_groups, G)
+    enough = grouped.sum(axis=1, keepdims=True) >= MIN_VALID_PER_GROUP
+    return (grouped & enough).reshape(-1)
+
+
+def normalize_advantages(rewards: da.Array, group_size: int, cfg: AdvantageConfig,
+                         valid: Optional[da.Array] = None) -> da.Array:
+    """rewards: [num_samples] with chunks that are multiples of group_size -> advantages [num_samples].
+
+    valid: [num_samples] bool, chunked like rewards (``~reward_failed``); None: every sample is valid.
+    Samples outside :func:`trained_samples` get 0, whatever their stored reward (NaN included).
+    """
     if rewards.shape[0] % group_size:
         raise ValueError(f"{rewards.shape[0]} rewards do not form whole groups of {group_size}")
     if any(c % group_size for c in rewards.chunks[0]):
         raise ValueError(f"reward chunks {rewards.chunks[0]} split a group of {group_size}")
-    grouped = rewards.astype(np.float64).reshape(-1, group_size)  # (num_groups, G); chunks stay whole groups
-    centred = grouped - grouped.mean(axis=1, keepdims=True)
+    if valid is None:
+        valid = da.ones(rewards.shape, dtype=bool, chunks=rewards.chunks)
+    elif valid.shape != rewards.shape or valid.chunks != rewards.chunks:
+        raise ValueError(f"validity {valid.shape} in chunks {valid.chunks[0]} must match the rewards "
+                         f"{rewards.shape} in chunks {rewards.chunks[0]}")
+    keep = trained_samples(valid, group_size).reshape(-1, group_size)  # (num_groups, G)
+    count = da.maximum(keep.sum(axis=1, keepdims=True), 1)  # (num_groups, 1); >= 2 where any is kept
+    # Selected, never multiplied: a failed sample's reward may be NaN.
+    grouped = da.where(keep, rewards.astype(np.float64).reshape(-1, group_size), 0.0)
+    centred = da.where(keep, grouped - grouped.sum(axis=1, keepdims=True) / count, 0.0)
     if cfg.estimator == "grpo":
-        centred = centred / (grouped.std(axis=1, keepdims=True) + cfg.eps)
+        std = da.sqrt((centred ** 2).sum(axis=1, keepdims=True) / count)
+        centred = centred / (std + cfg.eps)
     return centred.reshape(-1).astype(np.float32)
-

@@ -15,6 +15,9 @@ The weight channel carries the aggregation's denominator over the *whole* global
 - seq-mean-token-mean:     w = 1 / (length_i * samples in the batch)
 - seq-mean-token-sum-norm: w = 1 / (max_new_tokens * samples in the batch)   (Dr. GRPO)
 so a microbatch's loss is an exact partial sum whatever the plan (groups split or not).
+Samples not trained on (a failed reward, or a group left with < 2 valid rewards:
+stages.advantage.trained_samples) get mask 0 and weight 0, and the denominators count only the
+trained samples and their tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from stages.advantage import trained_samples
 from stages.train.loss import TARGET_FIELDS
 from stages.train.plan import MicrobatchLayout, MicrobatchPlan, plan_microbatches
 
@@ -71,23 +75,34 @@ class GlobalBatch:
         return np.where(valid, values[self.sample_row[:, None], cols], 0.0).astype(np.float32)
 
 
-def aggregation_weights(length: np.ndarray, max_new_tokens: int, mode: str) -> np.ndarray:
-    """Per-sample token weight w_i ([N] float64) for an aggregation mode."""
+def aggregation_weights(length: np.ndarray, max_new_tokens: int, mode: str,
+                        trained: Optional[np.ndarray] = None) -> np.ndarray:
+    """Per-sample token weight w_i ([N] float64) for an aggregation mode; trained [N] bool (None:
+    all) selects the samples in the loss: the others get 0 and are not counted in a denominator."""
     length = length.astype(np.float64)
-    n_samples = len(length)
+    if trained is None:
+        trained = np.ones(len(length), dtype=bool)
+    n_samples = max(int(trained.sum()), 1)
     if mode == "token-mean":
-        return np.full(n_samples, 1.0 / max(length.sum(), 1.0))
-    if mode == "seq-mean-token-mean":
-        return np.where(length > 0, 1.0 / (np.maximum(length, 1.0) * n_samples), 0.0)
-    if mode == "seq-mean-token-sum-norm":
-        return np.full(n_samples, 1.0 / (max_new_tokens * n_samples))
-    raise ValueError(f"unknown loss aggregation {mode!r}")
+        w = np.full(len(length), 1.0 / max(length[trained].sum(), 1.0))
+    elif mode == "seq-mean-token-mean":
+        w = np.where(length > 0, 1.0 / (np.maximum(length, 1.0) * n_samples), 0.0)
+    elif mode == "seq-mean-token-sum-norm":
+        w = np.full(len(length), 1.0 / (max_new_tokens * n_samples))
+    else:
+        raise ValueError(f"unknown loss aggregation {mode!r}")
+    return np.where(trained, w, 0.0)
 
 
 def build_global_batch(arrays: dict[str, np.ndarray], mode: str, pad_id: int,
-                       layout: Optional[MicrobatchLayout] = None) -> GlobalBatch:
+                       layout: Optional[MicrobatchLayout] = None, reward_failed: Optional[np.ndarray] = None,
+                       group_size: Optional[int] = None) -> GlobalBatch:
     """arrays: prompt_ids [N, Pw], prompt_len [N], tokens [N, Gw], length [N], behav_logp [N, Gw],
-    ref_logp [N, Gw], advantage [N] (as stored in the rollout store).
+    ref_logp [N, Gw], advantage [N] (as stored in the rollout store), and optionally prox_logp
+    [N, Gw] (the proximal policy of decoupled PPO; absent: behav_logp, i.e. on-policy).
+
+    reward_failed: [N] bool, with group_size (samples of a group are contiguous): failed samples and
+    groups left with < 2 valid samples are not trained on (mask 0, weight 0). None: all are.
 
     layout: the run's fixed microbatch layout (plan.microbatch_layout); None gives one padded row
     per sample in store order, [N, Pw + Gw].
@@ -113,7 +128,14 @@ def build_global_batch(arrays: dict[str, np.ndarray], mode: str, pad_id: int,
     target = np.zeros((rows, T, len(TARGET_FIELDS)), dtype=np.float32)
     doc = np.full((rows, T), PAD_DOC_ID, dtype=np.int64)
     pos = np.zeros((rows, T), dtype=np.int64)
-    weights = aggregation_weights(length, Gw, mode)
+    if reward_failed is None:
+        trained = None
+    elif group_size is None:
+        raise ValueError("build_global_batch(reward_failed=...) needs group_size (rollout.group_size)")
+    else:
+        trained = trained_samples(~np.asarray(reward_failed, dtype=bool), group_size)
+    weights = aggregation_weights(length, Gw, mode, trained)
+    prox_logp = arrays.get("prox_logp", arrays["behav_logp"])
     for i in range(N):
         r, s, p, n = int(row[i]), int(start[i]), int(prompt_len[i]), int(length[i])
         ids[r, s:s + p] = prompt_ids[i, :p]
@@ -122,11 +144,13 @@ def build_global_batch(arrays: dict[str, np.ndarray], mode: str, pad_id: int,
         pos[r, s:s + p + n] = np.arange(p + n)
         at = slice(s + p - 1, s + p - 1 + n)  # positions whose next token is a completion token
         target[r, at, 0] = tokens[i, :n]
-        target[r, at, 1] = 1.0
+        target[r, at, 1] = 1.0 if trained is None or trained[i] else 0.0
         target[r, at, 2] = arrays["advantage"][i]
         target[r, at, 3] = arrays["behav_logp"][i, :n]
         target[r, at, 4] = arrays["ref_logp"][i, :n]
         target[r, at, 5] = weights[i]
+        target[r, at, 6] = prox_logp[i, :n]
+        target[r, at, 7] = i
     packed = layout is not None and layout.packing
     return GlobalBatch(
         torch.from_numpy(ids), torch.from_numpy(target), int(length.sum()),

@@ -248,7 +248,7 @@ class TrainRank:
         return StepResult(self.rank, metrics, list(self.timeline.actions), (t0, t1))
 
     def _loss_metrics(self) -> dict[str, float]:
-        """Loss, KL and clip fraction of the global batch, on ranks holding the last stage."""
+        """Loss metrics of the global batch (LossStats.metrics), on ranks holding the last stage."""
         if not self.holds_last:
             return {}
         # The first step runs the loss once more for shape inference: keep the real microbatches.
@@ -256,10 +256,12 @@ class TrainRank:
         total = LossStats()
         for s in real:
             total.add(s)
-        sums = torch.tensor([total.loss, total.kl_sum, total.clipped_sum, total.tokens], dtype=torch.float64)
+        sums = torch.tensor(total.sums(), dtype=torch.float64)
+        peak = torch.tensor([total.is_weight_max], dtype=torch.float64)
         if self.layout.dp > 1:
             dist.all_reduce(sums, group=self.groups.dp)
-        return LossStats(*sums.tolist()).metrics()
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.groups.dp)
+        return LossStats(*sums.tolist(), float(peak)).metrics()
 
     def _tied_weights(self) -> list[nn.Parameter]:
         """This rank's copies of a tied embedding (one Parameter when a single stage holds both)."""

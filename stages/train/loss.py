@@ -1,14 +1,25 @@
 """The GRPO loss of one microbatch, an exact partial sum of the global-batch loss.
 
-Per completion token t of sample i, with r = exp(logp - logp_old):
+Per completion token t of sample i, with r = pi_theta / pi_anchor = exp(logp - logp_anchor):
 
-    l_t = -min(r * A_i, clip(r, 1 - eps_low, 1 + eps_high) * A_i) + beta * KL_k3
+    l_t = w_t * -min(r * A_i, clip(r, 1 - eps_low, 1 + eps_high) * A_i) + beta * KL_k3
     KL_k3 = exp(ref - logp) - (ref - logp) - 1                   (Schulman's k3 estimator)
 
-and the loss is sum_t w_t * l_t. The weights w_t hold the aggregation mode's denominator, a
+On-policy (``OffPolicyConfig.decoupled`` False) the anchor is the behaviour policy and w_t = 1.
+Decoupled PPO (Hilton et al. 2021, "Batch size-invariance for policy optimization"; AReaL, Fu et
+al. 2025) anchors the clip on the proximal policy and corrects for the stale behaviour policy
+with the importance weight w = pi_prox / pi_behav, truncated (TIS) or masked (MIS) above a cap C,
+per token or per sequence (:class:`OffPolicyConfig`). With prox = behav every w is exactly 1.
+Dual-clip (Ye et al. 2020, verl ``clip_ratio_c``) bounds the loss of A < 0 tokens at -c * A.
+
+The loss is sum_t W_t * l_t. The weights W_t hold the aggregation mode's denominator, a
 property of the whole global batch computed before the pipeline runs (stages/train/batch.py), so
 summing microbatch losses gives the full-batch loss whatever the microbatching, and nothing inside
 the pipeline waits on another microbatch.
+
+Masked positions (mask = 0: prompts, padding, samples not trained on) may hold any value, inf and
+nan included: every input is *selected* with torch.where before any arithmetic, never multiplied
+by the mask, so neither the loss nor its gradient can pick up a non-finite value from them.
 
 Chunked log-probs: the last stage may return its normed hidden states h [B, T, H] instead of
 logits (``build_stage(..., return_hidden=True)``); :func:`grpo_chunked_loss` then takes the
@@ -28,19 +39,70 @@ fresh [V, H] weight gradient per chunk, which for a 150k vocabulary is as large 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional
+from dataclasses import astuple, dataclass, field, fields
+from typing import Callable, Literal, NamedTuple, Optional
 
 import torch
 from torch import nn
 
-__all__ = ["LossConfig", "TARGET_FIELDS", "grpo_token_terms", "grpo_microbatch_loss", "LossStats",
+__all__ = ["LossConfig", "OffPolicyConfig", "IS_LEVELS", "IS_MODES", "TARGET_FIELDS", "ImportanceWeights", "TokenTerms",
+           "importance_weights", "grpo_token_terms", "grpo_logp_loss", "grpo_microbatch_loss", "LossStats",
            "token_logp", "grpo_chunked_loss", "chunked_token_logp", "make_chunked_loss"]
 
 # Channels of the packed per-token target tensor [B, T, len(TARGET_FIELDS)]: the pipeline API
 # hands the last stage one target tensor, so everything the loss needs travels in it.
-TARGET_FIELDS = ("next_id", "mask", "advantage", "old_logp", "ref_logp", "weight")
-_NEXT, _MASK, _ADV, _OLD, _REF, _W = range(len(TARGET_FIELDS))
+# sample_id (the sample's store index, exact in float32 below 2**24) groups tokens into sequences
+# for the sequence-level importance weight.
+TARGET_FIELDS = ("next_id", "mask", "advantage", "old_logp", "ref_logp", "weight", "prox_logp", "sample_id")
+_NEXT, _MASK, _ADV, _OLD, _REF, _W, _PROX, _SAMPLE = range(len(TARGET_FIELDS))
+
+IS_LEVELS = ("token", "sequence", "geometric")
+IS_MODES = ("none", "truncate", "mask")
+
+
+@dataclass(frozen=True)
+class OffPolicyConfig:
+    """Off-policy corrections and numerical guards of the loss (``train.off_policy``). The defaults
+    leave the loss as the plain on-policy GRPO loss."""
+
+    decoupled: bool = False
+    """Decoupled PPO (Hilton et al. 2021; AReaL): clip r = pi_theta / pi_prox and weight each token
+    by w = pi_prox / pi_behav (target channel prox_logp). False: clip pi_theta / pi_behav, w = 1."""
+    is_level: Literal["token", "sequence", "geometric"] = "token"
+    """token: w_t = exp(prox_t - behav_t). sequence: every token of sample i takes
+    exp(sum_t (prox_t - behav_t)), the sequence likelihood ratio, unbiased but with a variance
+    growing with length. geometric: exp(mean_t (prox_t - behav_t)), its per-token geometric mean,
+    length-independent (GSPO, Zheng et al. 2025). The levels follow verl's rollout importance
+    sampling (token / sequence / geometric; Yao et al. 2025, "Your efficient RL framework secretly
+    brings you off-policy RL training"; Liu et al. 2025, "When speed kills stability")."""
+    is_mode: Literal["none", "truncate", "mask"] = "truncate"
+    """none: w as is. truncate (TIS): min(w, is_cap). mask (MIS): tokens, or at the sequence levels
+    whole sequences, with w > is_cap get weight 0 (dropped from the surrogate; KL stays)."""
+    is_cap: float = 2.0
+    """C, the TIS cap / MIS threshold; >= 1 so that on-policy weights (exactly 1) are untouched."""
+    dual_clip: bool = False
+    """Dual-clip PPO (Ye et al. 2020): for A < 0 the surrogate loss is at most -dual_clip_c * A."""
+    dual_clip_c: float = 3.0
+    """c of dual-clip (verl's clip_ratio_c, default 3); > 1."""
+    kl_clamp: Optional[float] = None
+    """Upper bound on each token's k3 KL (>= 0 by construction); None: unbounded."""
+    log_ratio_clamp: float = 20.0
+    """Every log-ratio is clamped to [-b, b] before exp: exp(20) = 4.9e8 stays finite in float32
+    (max 3.4e38) even summed over tokens, and the gradient through a clamped value is 0."""
+
+    def __post_init__(self) -> None:
+        if self.is_level not in IS_LEVELS:
+            raise ValueError(f"train.off_policy.is_level={self.is_level!r}: use one of {IS_LEVELS}")
+        if self.is_mode not in IS_MODES:
+            raise ValueError(f"train.off_policy.is_mode={self.is_mode!r}: use one of {IS_MODES}")
+        if not self.is_cap >= 1.0:
+            raise ValueError(f"train.off_policy.is_cap={self.is_cap} must be >= 1 (on-policy weights are 1)")
+        if not self.dual_clip_c > 1.0:
+            raise ValueError(f"train.off_policy.dual_clip_c={self.dual_clip_c} must be > 1 (verl uses 3)")
+        if self.kl_clamp is not None and not self.kl_clamp > 0:
+            raise ValueError(f"train.off_policy.kl_clamp={self.kl_clamp} must be > 0, or unset")
+        if not self.log_ratio_clamp > 0:
+            raise ValueError(f"train.off_policy.log_ratio_clamp={self.log_ratio_clamp} must be > 0 (e.g. 20)")
 
 
 @dataclass(frozen=True)
@@ -49,6 +111,8 @@ class LossConfig:
     clip_eps_high: float = 0.2
     kl_beta: float = 0.0
     temperature: float = 1.0
+    off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
+    """Importance weights, dual-clip and the KL / log-ratio clamps."""
 
 
 def token_logp(logits: torch.Tensor, next_ids: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -57,49 +121,164 @@ def token_logp(logits: torch.Tensor, next_ids: torch.Tensor, temperature: float)
     return logp.gather(-1, next_ids.long().unsqueeze(-1)).squeeze(-1)
 
 
-def grpo_token_terms(logp: torch.Tensor, target: torch.Tensor, cfg: LossConfig):
-    """Per-token loss, KL and clip indicator, each [B, T] (zero where mask is 0)."""
-    mask, adv = target[..., _MASK], target[..., _ADV]
-    old, ref = target[..., _OLD], target[..., _REF]
-    log_ratio = (logp - old) * mask
-    ratio = torch.exp(log_ratio)
+def _selected(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """values where mask, else 0: a select, so a nan / inf in a masked slot never propagates."""
+    return torch.where(mask, values, torch.zeros_like(values))
+
+
+class ImportanceWeights(NamedTuple):
+    """Per-token importance weights w = pi_prox / pi_behav, each [...] (0 where mask is 0)."""
+
+    weight: torch.Tensor  # what multiplies the surrogate: after the cap (TIS) or the drop (MIS)
+    raw: torch.Tensor  # before the cap
+    truncated: torch.Tensor  # 1 where TIS lowered w to the cap
+    masked: torch.Tensor  # 1 where MIS dropped the token
+
+
+@torch.no_grad()
+def importance_weights(target: torch.Tensor, cfg: OffPolicyConfig) -> ImportanceWeights:
+    """The importance weights of the tokens of target [..., F] (no gradient: pi_prox and pi_behav
+    are fixed). Not decoupled: every weight is 1."""
+    mask = target[..., _MASK] > 0
+    ones, zeros = mask.float(), torch.zeros_like(target[..., _MASK])
+    if not cfg.decoupled:
+        return ImportanceWeights(ones, ones, zeros, zeros)
+    b = cfg.log_ratio_clamp
+    log_w = _selected(mask, target[..., _PROX] - target[..., _OLD]).clamp(-b, b)
+    if cfg.is_level != "token":
+        # Tokens of one sample share its id; sum (or average) their log-ratios per sample.
+        ids = torch.where(mask, target[..., _SAMPLE], torch.full_like(log_w, -1.0)).long()
+        _, seq = torch.unique(ids, return_inverse=True)  # [...] -> index of the token's sequence
+        sums = torch.zeros(int(seq.max()) + 1 if seq.numel() else 0, dtype=log_w.dtype, device=log_w.device)
+        sums.index_add_(0, seq.reshape(-1), log_w.reshape(-1))
+        if cfg.is_level == "geometric":
+            counts = torch.zeros_like(sums).index_add_(0, seq.reshape(-1), ones.reshape(-1))
+            sums = sums / counts.clamp(min=1.0)
+        log_w = sums[seq].clamp(-b, b)
+    raw = _selected(mask, torch.exp(log_w))
+    over = raw > cfg.is_cap
+    if cfg.is_mode == "truncate":
+        return ImportanceWeights(torch.where(over, torch.full_like(raw, cfg.is_cap), raw), raw, over.float(), zeros)
+    if cfg.is_mode == "mask":
+        return ImportanceWeights(_selected(~over, raw), raw, zeros, over.float())
+    return ImportanceWeights(raw, raw, zeros, zeros)
+
+
+class TokenTerms(NamedTuple):
+    """Per-token loss and diagnostics, each [...] and 0 where mask is 0."""
+
+    loss: torch.Tensor  # l_t (before the aggregation weight)
+    kl: torch.Tensor  # k3 KL(current || reference) estimate, clamped as in the loss
+    behav_kl: torch.Tensor  # k3 KL(behaviour || current): exp(logp - behav) - (logp - behav) - 1
+    clip_low: torch.Tensor  # 1 where the clip binds at 1 - eps_low (A < 0)
+    clip_high: torch.Tensor  # 1 where the clip binds at 1 + eps_high (A > 0)
+    dual_clip: torch.Tensor  # 1 where the dual-clip bound -c * A binds (A < 0)
+
+
+def grpo_token_terms(logp: torch.Tensor, target: torch.Tensor, cfg: LossConfig,
+                     is_weight: Optional[torch.Tensor] = None) -> TokenTerms:
+    """Per-token terms of logp [...] against target [..., F]; is_weight [...] multiplies the
+    surrogate (None: 1, e.g. on-policy)."""
+    opc = cfg.off_policy
+    mask = target[..., _MASK] > 0
+    logp = _selected(mask, logp)
+    adv = _selected(mask, target[..., _ADV])
+    old = _selected(mask, target[..., _OLD])
+    anchor = _selected(mask, target[..., _PROX]) if opc.decoupled else old
+    b = opc.log_ratio_clamp
+    ratio = torch.exp((logp - anchor).clamp(-b, b))
     clipped_ratio = ratio.clamp(1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
-    surrogate = -torch.minimum(ratio * adv, clipped_ratio * adv)
-    delta = (ref - logp) * mask
+    unclipped_obj, clipped_obj = ratio * adv, clipped_ratio * adv
+    surrogate = -torch.minimum(unclipped_obj, clipped_obj)
+    clip_binds = unclipped_obj > clipped_obj
+    dual = torch.zeros_like(mask)
+    if opc.dual_clip:
+        bound = -opc.dual_clip_c * adv  # > 0 where A < 0
+        dual = (adv < 0) & (surrogate > bound)
+        surrogate = torch.where(dual, bound, surrogate)
+    if is_weight is not None:
+        surrogate = surrogate * is_weight
+    delta = (_selected(mask, target[..., _REF]) - logp).clamp(-b, b)
     kl = torch.exp(delta) - delta - 1.0
-    per_token = (surrogate + cfg.kl_beta * kl) * mask
-    clipped = ((ratio * adv) > (clipped_ratio * adv)).float() * mask
-    return per_token, kl * mask, clipped
+    if opc.kl_clamp is not None:
+        kl = kl.clamp(max=opc.kl_clamp)
+    per_token = _selected(mask, surrogate + cfg.kl_beta * kl)
+    with torch.no_grad():
+        behav = (logp - old).clamp(-b, b)
+        behav_kl = _selected(mask, torch.exp(behav) - behav - 1.0)
+        # The PPO clip binds only on the optimistic side (r < 1 - eps with A < 0, r > 1 + eps with
+        # A > 0), the dual clip only on the pessimistic side of A < 0: the three never overlap.
+        clip_low = (clip_binds & (ratio < 1.0 - cfg.clip_eps_low) & mask).float()
+        clip_high = (clip_binds & (ratio > 1.0 + cfg.clip_eps_high) & mask).float()
+    return TokenTerms(per_token, _selected(mask, kl.detach()), behav_kl, clip_low, clip_high, (dual & mask).float())
 
 
 @dataclass
 class LossStats:
-    """Sums over the microbatches of one step; turned into metrics on the last stage."""
+    """Sums over the microbatches of one step, the last field a max; turned into metrics on the
+    last stage. clipped_sum counts the PPO clip (low + high), not the dual clip. The importance
+    weight fields count tokens (a sequence-level weight once per token of its sequence), raw
+    weights before the cap; kl_behav is the k3 estimate of KL(behaviour || current)."""
 
     loss: float = 0.0
     kl_sum: float = 0.0
     clipped_sum: float = 0.0
     tokens: float = 0.0
+    clip_low_sum: float = 0.0
+    clip_high_sum: float = 0.0
+    dual_clip_sum: float = 0.0
+    behav_kl_sum: float = 0.0
+    is_weight_sum: float = 0.0
+    is_truncated_sum: float = 0.0
+    is_masked_sum: float = 0.0
+    is_weight_max: float = 0.0
+
+    @classmethod
+    def of(cls, loss: float, terms_sums: torch.Tensor, isw: ImportanceWeights, mask: torch.Tensor) -> "LossStats":
+        """From the loss, the summed token terms [kl, behav_kl, clip_low, clip_high, dual_clip] and
+        the importance weights of one microbatch."""
+        kl, behav_kl, low, high, dual = terms_sums.tolist()
+        raw = isw.raw[mask > 0]
+        return cls(loss, kl, low + high, float(mask.sum()), low, high, dual, behav_kl, float(raw.sum()),
+                   float(isw.truncated.sum()), float(isw.masked.sum()), float(raw.max()) if raw.numel() else 0.0)
 
     def add(self, other: "LossStats") -> None:
-        self.loss += other.loss
-        self.kl_sum += other.kl_sum
-        self.clipped_sum += other.clipped_sum
-        self.tokens += other.tokens
+        for f in fields(self)[:-1]:
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        self.is_weight_max = max(self.is_weight_max, other.is_weight_max)
+
+    def sums(self) -> list[float]:
+        """The summed fields, in order (a SUM all-reduce); is_weight_max is reduced by MAX."""
+        return list(astuple(self)[:-1])
 
     def metrics(self) -> dict[str, float]:
         n = max(self.tokens, 1.0)
-        return {"loss": self.loss, "kl": self.kl_sum / n, "clip_fraction": self.clipped_sum / n}
+        return {"loss": self.loss, "kl": self.kl_sum / n, "clip_fraction": self.clipped_sum / n,
+                "clip_fraction_low": self.clip_low_sum / n, "clip_fraction_high": self.clip_high_sum / n,
+                "dual_clip_fraction": self.dual_clip_sum / n, "kl_behav": self.behav_kl_sum / n,
+                "is_weight_mean": self.is_weight_sum / n, "is_weight_max": self.is_weight_max,
+                "is_truncated_fraction": self.is_truncated_sum / n, "is_masked_fraction": self.is_masked_sum / n}
+
+
+def _terms_sums(terms: TokenTerms) -> torch.Tensor:
+    """[kl, behav_kl, clip_low, clip_high, dual_clip] sums of one microbatch or chunk."""
+    return torch.stack([t.detach().sum() for t in terms[1:]])
+
+
+def grpo_logp_loss(logp: torch.Tensor, target: torch.Tensor, cfg: LossConfig):
+    """(loss scalar, LossStats) of one microbatch from its token log-probs. logp: [...];
+    target: [..., F]."""
+    isw = importance_weights(target, cfg.off_policy)
+    terms = grpo_token_terms(logp, target, cfg, isw.weight if cfg.off_policy.decoupled else None)
+    loss = (terms.loss * _selected(target[..., _MASK] > 0, target[..., _W])).sum()
+    with torch.no_grad():
+        stats = LossStats.of(float(loss.detach()), _terms_sums(terms), isw, target[..., _MASK])
+    return loss, stats
 
 
 def grpo_microbatch_loss(logits: torch.Tensor, target: torch.Tensor, cfg: LossConfig):
     """(loss scalar, LossStats) of one microbatch. logits: [B, T, V]; target: [B, T, F]."""
-    logp = token_logp(logits, target[..., _NEXT], cfg.temperature)
-    per_token, kl, clipped = grpo_token_terms(logp, target, cfg)
-    loss = (per_token * target[..., _W]).sum()
-    with torch.no_grad():
-        stats = LossStats(float(loss), float(kl.sum()), float(clipped.sum()), float(target[..., _MASK].sum()))
-    return loss, stats
+    return grpo_logp_loss(token_logp(logits, target[..., _NEXT], cfg.temperature), target, cfg)
 
 
 def _chunk_logp(h: torch.Tensor, weight: torch.Tensor, next_ids: torch.Tensor, temperature: float):
@@ -110,37 +289,41 @@ def _chunk_logp(h: torch.Tensor, weight: torch.Tensor, next_ids: torch.Tensor, t
 
 
 class _ChunkedGRPOLoss(torch.autograd.Function):
-    """sum_t w_t l_t over completion tokens, chunk by chunk (module docstring).
-    h: [n, H]; weight: [V, H]; target: [n, F] -> (loss, kl_sum, clipped_sum) scalars."""
+    """sum_t W_t l_t over completion tokens, chunk by chunk (module docstring).
+    h: [n, H]; weight: [V, H]; target: [n, F]; is_weight: [n] or None
+    -> (loss scalar, [kl, behav_kl, clip_low, clip_high, dual_clip] sums)."""
 
     @staticmethod
-    def forward(ctx, h, weight, target, cfg: LossConfig, chunk_tokens: int):
-        loss, kl, clipped = (torch.zeros((), dtype=torch.float32, device=h.device) for _ in range(3))
-        for h_c, t_c in zip(h.split(chunk_tokens), target.split(chunk_tokens)):
+    def forward(ctx, h, weight, target, is_weight, cfg: LossConfig, chunk_tokens: int):
+        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        sums = torch.zeros(len(TokenTerms._fields) - 1, dtype=torch.float32, device=h.device)
+        for start in range(0, h.shape[0], chunk_tokens):
+            h_c, t_c = h[start:start + chunk_tokens], target[start:start + chunk_tokens]
+            w_c = None if is_weight is None else is_weight[start:start + chunk_tokens]
             _, _, logp = _chunk_logp(h_c, weight, t_c[:, _NEXT].long(), cfg.temperature)
-            per_token, kl_c, clipped_c = grpo_token_terms(logp, t_c, cfg)
-            loss += (per_token * t_c[:, _W]).sum()
-            kl += kl_c.sum()
-            clipped += clipped_c.sum()
-        ctx.save_for_backward(h, weight, target)
+            terms = grpo_token_terms(logp, t_c, cfg, w_c)
+            loss += (terms.loss * t_c[:, _W]).sum()
+            sums += _terms_sums(terms)
+        ctx.save_for_backward(h, weight, target, is_weight)
         ctx.cfg, ctx.chunk_tokens = cfg, chunk_tokens
-        ctx.mark_non_differentiable(kl, clipped)
-        return loss, kl, clipped
+        ctx.mark_non_differentiable(sums)
+        return loss, sums
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_kl, _grad_clipped):
-        h, weight, target = ctx.saved_tensors
+    def backward(ctx, grad_loss, _grad_sums):
+        h, weight, target, is_weight = ctx.saved_tensors
         cfg, c = ctx.cfg, ctx.chunk_tokens
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         for start in range(0, h.shape[0], c):
             h_c, t_c = h[start:start + c], target[start:start + c]
+            w_c = None if is_weight is None else is_weight[start:start + c]
             next_ids = t_c[:, _NEXT].long()
             z, lse, logp = _chunk_logp(h_c, weight, next_ids, cfg.temperature)
             with torch.enable_grad():  # g_t = d loss / d logp_t: per-token terms, [c] only
                 lp = logp.detach().requires_grad_()
-                per_token, _, _ = grpo_token_terms(lp, t_c, cfg)
-                (g,) = torch.autograd.grad((per_token * t_c[:, _W]).sum(), lp)
+                terms = grpo_token_terms(lp, t_c, cfg, w_c)
+                (g,) = torch.autograd.grad((terms.loss * t_c[:, _W]).sum(), lp)
             g = g * grad_loss
             dz = z.sub_(lse[:, None]).exp_().mul_(-g[:, None])  # -g_t softmax(z), in z's buffer
             dz.scatter_add_(-1, next_ids[:, None], g[:, None])  # + g_t at the next token
@@ -149,7 +332,7 @@ class _ChunkedGRPOLoss(torch.autograd.Function):
                 grad_h[start:start + c] = dz @ weight
             if grad_w is not None:
                 grad_w.addmm_(dz.t(), h_c)
-        return grad_h, grad_w, None, None, None
+        return grad_h, grad_w, None, None, None, None
 
 
 def grpo_chunked_loss(hidden: torch.Tensor, target: torch.Tensor, lm_head: nn.Linear, cfg: LossConfig,
@@ -166,12 +349,15 @@ def grpo_chunked_loss(hidden: torch.Tensor, target: torch.Tensor, lm_head: nn.Li
         raise ValueError("grpo_chunked_loss takes a bias-free lm_head (Llama / Qwen2 heads have none)")
     H = hidden.shape[-1]
     flat_t = target.reshape(-1, target.shape[-1])  # (B*T, F)
-    idx = flat_t[:, _MASK].nonzero().squeeze(-1)  # (n,) completion-token positions
+    idx = (flat_t[:, _MASK] > 0).nonzero().squeeze(-1)  # (n,) completion-token positions
     # An empty selection still yields a loss connected to ``hidden`` (zero gradient): the pipeline
     # runs backward on every microbatch, empty ones too.
     h, t = hidden.reshape(-1, H)[idx], flat_t[idx]  # (n, H), (n, F)
-    loss, kl, clipped = _ChunkedGRPOLoss.apply(h, lm_head.weight, t, cfg, chunk_tokens)
-    stats = LossStats(float(loss.detach()), float(kl), float(clipped), float(t[:, _MASK].sum()))
+    # The importance weights see every token of a sequence at once (sequence levels), before chunking.
+    isw = importance_weights(t, cfg.off_policy)
+    loss, sums = _ChunkedGRPOLoss.apply(h, lm_head.weight, t, isw.weight if cfg.off_policy.decoupled else None,
+                                        cfg, chunk_tokens)
+    stats = LossStats.of(float(loss.detach()), sums, isw, t[:, _MASK])
     return loss, stats
 
 

@@ -43,6 +43,9 @@ class DatasetConfig:
     overflow: str = "refuse"
     """A prompt over ``max_prompt_tokens``: ``refuse`` (the data fails to load, naming the row) or
     ``truncate`` (its text is cut to fit, and counted)."""
+    chat_template: bool = True
+    """Render each prompt with the policy tokenizer's chat template (one user message, the
+    generation prompt added), when the tokenizer folder has one; false: the raw text (plus BOS)."""
     num_digits: int = 2
     """``addition`` only: operands are drawn uniformly from [0, 10**num_digits)."""
 

@@ -135,3 +135,26 @@ def test_every_fault_fails_only_its_sample_within_the_time_limit():
 def test_a_function_that_cannot_load_raises_once():
     with pytest.raises(RewardProcessError, match="cannot load .*no_such_reward"):
         score_samples(["p"], ["c"], ["no_such_reward"], timeout_s=1.0)
+
+
+def _score_in_child(queue) -> None:
+    try:
+        scored = score_samples(["p", "p"], ["ok", "exit"], [f"{HERE}:faulty"], timeout_s=5.0)
+        queue.put((scored.reward.tolist(), scored.failed.tolist()))
+    finally:
+        close_reward_processes()
+
+
+def test_scoring_works_inside_a_daemonic_process():
+    """Dask's Nanny runs workers as daemonic processes, which multiprocessing forbids to have
+    children; the reward process is started with subprocess, so scoring works there too."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_score_in_child, args=(queue,), daemon=True)
+    proc.start()
+    try:
+        assert queue.get(timeout=60) == ([1.0, 0.0], [False, True])  # no fields: 1 + 0
+    finally:
+        proc.join(timeout=10)

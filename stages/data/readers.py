@@ -29,6 +29,9 @@ class RawRecord:
     """Every other field, passed to reward functions by name."""
 
 
+_MISSING = object()  # a field absent from the record (None is a present null)
+
+
 def read_records(cfg: DatasetConfig) -> list[RawRecord]:
     """All records of the configured file or folder (kinds jsonl, parquet, hf), in stored order."""
     path = Path(cfg.path or "")
@@ -64,9 +67,6 @@ def _record(where: str, row: dict[str, Any], cfg: DatasetConfig) -> RawRecord:
             raise DatasetError(f"{where}: field {name!r} clashes with the reward argument of that name; "
                                "rename it in the data or point dataset.prompt_field / answer_field at it")
     return RawRecord(where, prompt, answer, fields)
-
-
-_MISSING = object()
 
 
 def _answer_text(where: str, value: Any, name: str) -> str:

@@ -1,12 +1,34 @@
-"""Tokenizer access over HF ``tokenizers`` (tokenizer.json)."""
+"""Tokenizer access over HF ``tokenizers`` (tokenizer.json), with the special ids and the chat
+template an HF tokenizer folder declares.
+
+Two ways in:
+
+* :meth:`TextCodec.from_json` for the built-in tiny tokenizers, whose specials are literal tokens
+  (``<bos>``, ``<eos>``, ``<pad>``) and which have no post-processor, so a prompt gets BOS
+  prepended here.
+* :meth:`TextCodec.from_folder` for a real model folder (Llama, Qwen, ...): bos / eos / pad come from
+  ``tokenizer_config.json``, ``special_tokens_map.json`` and ``generation_config.json`` (eos may be
+  several ids; pad falls back to the first eos), the chat template from ``tokenizer_config.json``
+  (or ``chat_template.jinja``). Prompt encoding then matches ``transformers``: with a template,
+  ``apply_chat_template(messages, add_generation_prompt=True)`` (rendered text encoded without
+  special tokens: the template writes BOS itself); without, ``tokenizer(text)`` (the
+  tokenizer.json post-processor adds what the model expects).
+"""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
 
 from tokenizers import Tokenizer
 
-__all__ = ["TextCodec"]
+__all__ = ["TextCodec", "TokenizerFolderError", "render_chat_template"]
+
+
+class TokenizerFolderError(ValueError):
+    """A tokenizer folder is missing a file or declares a token the vocabulary lacks."""
 
 
 @dataclass(frozen=True)
@@ -14,25 +36,143 @@ class TextCodec:
     """Encode / decode text with an HF tokenizer and the special ids the runtime needs."""
 
     tokenizer: Tokenizer
-    bos_id: int
-    eos_id: int
+    bos_id: Optional[int]
+    """None for tokenizers without BOS (Qwen2)."""
+    eos_ids: tuple[int, ...]
+    """Every id that ends a completion; the first is the canonical EOS."""
     pad_id: int
+    chat_template: Optional[str] = None
+    """Jinja chat template applied by :meth:`encode_prompt` (unset: the prompt text is used as is)."""
+    prepend_bos: bool = False
+    """True for tokenizers without a post-processor: :meth:`encode_prompt` prepends ``bos_id``."""
+    bos_token: Optional[str] = None
+    eos_token: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if not self.eos_ids:
+            raise TokenizerFolderError("a TextCodec needs at least one eos id")
 
     @classmethod
     def from_json(cls, text: str, bos: str = "<bos>", eos: str = "<eos>", pad: str = "<pad>") -> "TextCodec":
+        """A built-in tokenizer whose specials are literal tokens; prompts get BOS prepended."""
         tok = Tokenizer.from_str(text)
         ids = [tok.token_to_id(t) for t in (bos, eos, pad)]
         if None in ids:
             raise ValueError(f"tokenizer lacks one of the special tokens {bos}, {eos}, {pad}")
-        return cls(tok, *ids)
+        return cls(tok, ids[0], (ids[1],), ids[2], prepend_bos=True, bos_token=bos, eos_token=eos)
+
+    @classmethod
+    def from_folder(cls, path: str | Path, use_chat_template: bool = True) -> "TextCodec":
+        """An HF tokenizer folder: tokenizer.json plus the optional config files named above."""
+        folder = Path(path)
+        tok_file = folder / "tokenizer.json"
+        if not tok_file.is_file():
+            raise TokenizerFolderError(f"{tok_file}: not found; a tokenizer folder needs tokenizer.json "
+                                       "(the fast-tokenizer file)")
+        tok = Tokenizer.from_file(str(tok_file))
+        config = {**_read_json(folder / "special_tokens_map.json"), **_read_json(folder / "tokenizer_config.json")}
+        generation = _read_json(folder / "generation_config.json")
+
+        def token_id(key: str) -> tuple[Optional[str], Optional[int]]:
+            name = _token_name(config.get(key))
+            if name is None:
+                return None, None
+            tid = tok.token_to_id(name)
+            if tid is None:
+                raise TokenizerFolderError(f"{folder}: {key}={name!r} is not in tokenizer.json's vocabulary")
+            return name, tid
+
+        bos_token, bos_id = token_id("bos_token")
+        eos_token, eos_id = token_id("eos_token")
+        _, pad_id = token_id("pad_token")
+        eos_ids = [] if eos_id is None else [eos_id]
+        extra = generation.get("eos_token_id")
+        for tid in extra if isinstance(extra, list) else [] if extra is None else [extra]:
+            if int(tid) not in eos_ids:
+                eos_ids.append(int(tid))
+        if bos_id is None and generation.get("bos_token_id") is not None:
+            bos_id = int(generation["bos_token_id"])
+        if not eos_ids:
+            raise TokenizerFolderError(f"{folder}: no eos token: set eos_token in tokenizer_config.json or "
+                                       "eos_token_id in generation_config.json")
+        template = config.get("chat_template")
+        jinja_file = folder / "chat_template.jinja"
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text()
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        return cls(tok, bos_id, tuple(eos_ids), eos_ids[0] if pad_id is None else pad_id,
+                   chat_template=template if use_chat_template else None, prepend_bos=False,
+                   bos_token=bos_token, eos_token=eos_token)
+
+    @property
+    def eos_id(self) -> int:
+        """The canonical EOS (the first of ``eos_ids``)."""
+        return self.eos_ids[0]
 
     def encode(self, text: str) -> list[int]:
+        """Ids of plain text, no special tokens added."""
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
+    def render_prompt(self, text: str) -> str:
+        """The text the model sees for a user prompt: the chat template rendered, or the text itself."""
+        if self.chat_template is None:
+            return text
+        return render_chat_template(self.chat_template, [{"role": "user", "content": text}],
+                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Ids of a user prompt as the policy receives it (template and BOS included)."""
+        if self.chat_template is not None:
+            return self.encode(self.render_prompt(text))
+        if self.prepend_bos:
+            return ([] if self.bos_id is None else [self.bos_id]) + self.encode(text)
+        return self.tokenizer.encode(text, add_special_tokens=True).ids
+
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode([i for i in ids if i not in (self.pad_id, self.eos_id, self.bos_id)],
-                                     skip_special_tokens=True)
+        specials = {self.pad_id, self.bos_id, *self.eos_ids}
+        return self.tokenizer.decode([i for i in ids if i not in specials], skip_special_tokens=True)
 
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size()
+
+
+def render_chat_template(template: str, messages: list[dict[str, str]], **variables: Any) -> str:
+    """Render a chat template the way ``transformers`` does: a sandboxed jinja2 environment with
+    ``trim_blocks`` / ``lstrip_blocks``, ``add_generation_prompt=True``, ``raise_exception`` and
+    ``tojson`` available. ``strftime_now`` is left out on purpose: a template that dates its system
+    prompt would make a step's prompts depend on the wall clock (Llama-3.1's then uses its fixed
+    default date)."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template).render(messages=messages, add_generation_prompt=True, **variables)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise TokenizerFolderError(f"{path}: not valid JSON ({exc})") from exc
+
+
+def _token_name(value: Any) -> Optional[str]:
+    """A special token as the config files write it: a string or an AddedToken dict ("content")."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value

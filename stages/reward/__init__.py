@@ -1,26 +1,46 @@
-"""Reward functions (a registry) and time-limited, fault-tolerant scoring of whole groups.
+"""Reward functions (a registry, or any importable function) and isolated scoring of whole groups.
 
-A reward function maps (prompt text, completion text) to a float. It never evaluates model output
-as code. A function that raises, runs past its time limit or returns a non-finite value gives the
-sample reward 0 and a ``failed`` flag, counted in the metrics; the iteration goes on.
+A reward function is called with keyword arguments: ``prompt=`` and ``completion=`` (texts), plus
+the sample's record fields (``answer=`` for the ground truth, and any other field of the data) that
+its signature accepts (all of them if it takes ``**kwargs``). It returns a float; a sample's reward
+is the sum over ``reward.functions``. Names are either registered short names (``exact_match``) or
+import paths ``package.module:function``. It never evaluates model output as code.
+
+Functions run in a separate process (stages/reward/isolated.py): a function that raises, runs past
+its time limit, exceeds its memory limit, crashes its process or returns a non-finite value gives
+the sample reward 0 and a ``failed`` flag, counted in the metrics; the iteration goes on.
+Short names registered at run time in the parent are not seen by that process: register them in a
+module and name its functions by import path.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import math
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
+from stages.reward.isolated import RewardProcessError, SampleFailed, reward_process
 from stages.tasks.addition import answer_of
 
-__all__ = ["RewardFn", "REWARDS", "register_reward", "get_reward", "ScoredGroups", "score_samples"]
+__all__ = ["RewardFn", "REWARDS", "register_reward", "get_reward", "resolve_reward", "accepted_fields",
+           "check_reward_functions", "RewardFunctionError", "RewardProcessError", "ScoredGroups",
+           "score_samples", "DEFAULT_MEMORY_LIMIT_BYTES"]
 
-RewardFn = Callable[[str, str], float]
+RewardFn = Callable[..., float]
 REWARDS: dict[str, RewardFn] = {}
+# Python with numpy and sympy loaded reserves about 200 MB of address space; 1 GiB leaves a reward
+# room to work while a runaway allocation fails fast.
+DEFAULT_MEMORY_LIMIT_BYTES = 1 << 30
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+_STARTUP_TIMEOUT_S = 60.0  # importing the functions (sympy for math_answer) is not a sample's time
+
+
+class RewardFunctionError(ValueError):
+    """A name in ``reward.functions`` does not resolve to a usable function."""
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
@@ -38,18 +58,83 @@ def get_reward(name: str) -> RewardFn:
     return REWARDS[name]
 
 
+def resolve_reward(name: str) -> RewardFn:
+    """The function a name stands for: ``module.path:attr`` (attr may be dotted) or a registered name."""
+    if ":" not in name:
+        if name not in REWARDS:
+            raise RewardFunctionError(f"{name!r} is not a registered reward (known: {', '.join(sorted(REWARDS))}); "
+                                      "or give an import path package.module:function")
+        return REWARDS[name]
+    module_name, _, attr = name.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise RewardFunctionError(f"{name!r}: module {module_name!r} not found ({exc}); check the path and that "
+                                  "its package is importable on the workers") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise RewardFunctionError(f"{name!r}: {module_name} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise RewardFunctionError(f"{name!r}: {attr} is a {type(obj).__name__}, not callable")
+    return obj
+
+
+def accepted_fields(fn: RewardFn) -> Optional[frozenset[str]]:
+    """Keyword names ``fn`` accepts beside prompt / completion; None when it takes ``**kwargs``."""
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+def check_reward_functions(names: Iterable[str], fields: Optional[Iterable[str]] = None) -> None:
+    """Raise RewardFunctionError (one line naming the entry) unless every name resolves to a callable
+    that accepts ``prompt=`` and ``completion=`` and needs no argument beyond them and ``fields``
+    (when given: the record fields the data provides, e.g. ``answer``)."""
+    available = None if fields is None else {"prompt", "completion", *fields}
+    for i, name in enumerate(names):
+        key = f"reward.functions[{i}]"
+        try:
+            fn = resolve_reward(name)
+            signature = inspect.signature(fn)
+        except RewardFunctionError as exc:
+            raise RewardFunctionError(f"{key}={exc}") from None
+        except (TypeError, ValueError):
+            raise RewardFunctionError(f"{key}={name!r}: its signature cannot be read") from None
+        accepted = accepted_fields(fn)
+        for arg in ("prompt", "completion"):
+            if accepted is not None and arg not in accepted:
+                raise RewardFunctionError(f"{key}={name!r}: signature {signature} cannot take {arg}=; a reward "
+                                          "is called as fn(prompt=..., completion=..., answer=..., ...)")
+        required = [p.name for p in signature.parameters.values()
+                    if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        if any(p.kind is p.POSITIONAL_ONLY and p.default is p.empty for p in signature.parameters.values()):
+            raise RewardFunctionError(f"{key}={name!r}: signature {signature} has positional-only parameters; "
+                                      "rewards are called with keywords")
+        missing = [] if available is None else [r for r in required if r not in available]
+        if missing:
+            raise RewardFunctionError(f"{key}={name!r}: requires {', '.join(missing)}, which the data does not "
+                                      f"provide (fields: {', '.join(sorted(available or ()))})")
+
+
 @register_reward("exact_match")
-def exact_match(prompt: str, completion: str) -> float:
-    """1 if the completion is exactly the sum, else 0."""
-    return 1.0 if completion.strip() == answer_of(prompt) else 0.0
+def exact_match(prompt: str, completion: str, answer: Optional[str] = None) -> float:
+    """1 if the completion is exactly the answer (default: the addition prompt's sum), else 0."""
+    return 1.0 if completion.strip() == (answer_of(prompt) if answer is None else answer.strip()) else 0.0
 
 
 @register_reward("digit_match")
-def digit_match(prompt: str, completion: str) -> float:
-    """Share of the answer's digits right in place (right-aligned), minus a penalty per extra char."""
-    answer, got = answer_of(prompt), completion.strip()
+def digit_match(prompt: str, completion: str, answer: Optional[str] = None) -> float:
+    """Share of the answer's characters right in place (right-aligned), minus 0.1 per extra char;
+    the answer defaults to the addition prompt's sum."""
+    answer, got = (answer_of(prompt) if answer is None else answer.strip()), completion.strip()
     right = sum(a == b for a, b in zip(reversed(answer), reversed(got)))
     return right / len(answer) - 0.1 * max(0, len(got) - len(answer))
+
+
+# Registers math_answer; its heavy import (sympy) happens on first use.
+from stages.reward import math_answer as _math_answer  # noqa: E402,F401
 
 
 @dataclass(frozen=True)
@@ -58,34 +143,30 @@ class ScoredGroups:
     failed: np.ndarray  # [N] bool
 
 
-def score_samples(prompts: list[str], completions: list[str], functions: list[str],
-                  timeout_s: float) -> ScoredGroups:
-    """Sum of the named reward functions for each sample, each call limited to ``timeout_s``."""
-    fns = [get_reward(name) for name in functions]
+def score_samples(prompts: list[str], completions: list[str], functions: list[str], timeout_s: float,
+                  fields: Optional[list[dict[str, Any]]] = None,
+                  memory_limit_bytes: Optional[int] = DEFAULT_MEMORY_LIMIT_BYTES) -> ScoredGroups:
+    """Sum of the reward functions for each sample, scored in a separate process.
+
+    ``fields[i]`` holds sample i's record fields (``answer`` and the data's other fields), passed to
+    the functions as keyword arguments. Each sample is limited to ``timeout_s`` of wall clock and the
+    process to ``memory_limit_bytes`` of address space (None: no limit). A failed sample scores 0.
+    Raises RewardProcessError only if the functions cannot be loaded at all.
+    """
+    if fields is not None and len(fields) != len(prompts):
+        raise ValueError(f"fields has {len(fields)} entries for {len(prompts)} prompts")
     reward = np.zeros(len(prompts), dtype=np.float32)
     failed = np.zeros(len(prompts), dtype=bool)
-    # One worker thread: a reward that runs past its limit is abandoned (threads cannot be
-    # killed) and the rest are scored on a fresh thread.
-    pool = ThreadPoolExecutor(max_workers=1)
-    try:
-        for i, (prompt, completion) in enumerate(zip(prompts, completions)):
-            total = 0.0
-            for fn in fns:
-                future = pool.submit(fn, prompt, completion)
-                try:
-                    value = float(future.result(timeout=timeout_s))
-                except FutureTimeout:
-                    pool.shutdown(wait=False, cancel_futures=True)
-                    pool = ThreadPoolExecutor(max_workers=1)
-                    value = math.nan
-                except Exception:
-                    value = math.nan
-                if not math.isfinite(value):
-                    failed[i] = True
-                    total = 0.0
-                    break
-                total += value
-            reward[i] = total
-    finally:
-        pool.shutdown(wait=False)
+    names = tuple(functions)
+    for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+        proc = reward_process(names, memory_limit_bytes, _STARTUP_TIMEOUT_S)
+        try:
+            value = proc.score(prompt, completion, {} if fields is None else fields[i], timeout_s)
+        except SampleFailed:
+            value = math.nan
+        # Finite in float64 may still overflow the float32 column.
+        if math.isfinite(value) and abs(value) <= _FLOAT32_MAX:
+            reward[i] = value
+        else:
+            failed[i] = True
     return ScoredGroups(reward, failed)

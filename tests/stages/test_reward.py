@@ -1,52 +1,160 @@
-"""Reward scoring: the registry, and faults that must not stop the iteration."""
+"""Reward scoring: the registry, import paths, signature checks, and faults in the isolated reward
+process that must fail one sample, never the call."""
 
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import numpy as np
 import pytest
 
-from stages.reward import REWARDS, get_reward, register_reward, score_samples
+from stages.reward import (REWARDS, RewardFunctionError, RewardProcessError, check_reward_functions, get_reward,
+                           resolve_reward, score_samples)
+from stages.reward.isolated import close_reward_processes
+
+# Reward functions the child process imports by path: this module is importable there under the
+# same name, because the child gets the parent's sys.path.
+HERE = __name__
 
 
-@pytest.fixture
-def temporary_rewards():
-    added = []
-
-    def add(name, fn):
-        register_reward(name)(fn)
-        added.append(name)
-
-    yield add
-    for name in added:
-        REWARDS.pop(name)
+def plain(prompt: str, completion: str) -> float:
+    return float(len(completion))
 
 
-def test_exact_match_checks_the_sum():
+def with_answer(prompt: str, completion: str, answer: str, level: int = 0) -> float:
+    return 10.0 * (completion == answer) + level
+
+
+def faulty(prompt: str, completion: str, **fields) -> float:
+    """Misbehaves on command: the completion says how."""
+    if completion == "sleep":
+        time.sleep(60)
+    elif completion == "exit":
+        os._exit(3)
+    elif completion == "segfault":
+        import ctypes
+        ctypes.string_at(0)
+    elif completion == "hog":
+        block = bytearray(1 << 30)  # 1 GiB, over the test's 256 MiB limit
+        return float(len(block))
+    elif completion == "raise":
+        raise RuntimeError("boom")
+    elif completion == "nan":
+        return math.nan
+    elif completion == "huge":
+        return 1e300  # finite in float64, inf in the float32 reward column
+    elif completion == "print":
+        print("a reward that prints must not corrupt the channel")
+    return 1.0 + len(fields)
+
+
+not_callable = 42
+
+
+def positional_only(prompt, completion, /) -> float:
+    return 0.0
+
+
+def no_completion(prompt: str, text: str) -> float:
+    return 0.0
+
+
+@pytest.fixture(autouse=True)
+def _stop_processes():
+    yield
+    close_reward_processes()
+
+
+def test_exact_match_checks_the_sum_or_the_answer():
     fn = get_reward("exact_match")
     assert fn("12+34=", "46") == 1.0
     assert fn("12+34=", "45") == 0.0
     assert fn("99+1=", "100") == 1.0
+    assert fn(prompt="How many?", completion=" 7 ", answer="7") == 1.0
 
 
 def test_digit_match_gives_partial_credit():
     fn = get_reward("digit_match")
     assert fn("12+34=", "46") == 1.0
     assert fn("12+34=", "41") == pytest.approx(0.5)
+    # Right-aligned "1234" vs "124": 4 = 4, 3 != 2, 2 != 1 -> 1 of 3, and one extra character.
+    assert fn("x", "1234", answer="124") == pytest.approx(1 / 3 - 0.1)
 
 
-def test_raising_nan_and_slow_rewards_score_zero_and_are_flagged(temporary_rewards):
-    temporary_rewards("t_raises", lambda p, c: 1 / 0 if c == "boom" else 1.0)
-    temporary_rewards("t_nan", lambda p, c: math.nan if c == "nan" else 0.0)
-    temporary_rewards("t_slow", lambda p, c: time.sleep(2.0) or 0.0 if c == "slow" else 0.0)
-    scored = score_samples(["1+1="] * 5, ["ok", "boom", "nan", "slow", "ok"], ["t_raises", "t_nan", "t_slow"],
-                           timeout_s=0.2)
-    np.testing.assert_array_equal(scored.failed, [False, True, True, True, False])
-    np.testing.assert_array_equal(scored.reward, [1.0, 0.0, 0.0, 0.0, 1.0])
+def test_names_resolve_by_registry_and_import_path():
+    assert resolve_reward("exact_match") is REWARDS["exact_match"]
+    assert resolve_reward(f"{HERE}:plain") is plain
+    assert resolve_reward("os.path:join") is os.path.join
 
 
-def test_unknown_reward_names_the_known_ones():
-    with pytest.raises(KeyError, match="exact_match"):
-        get_reward("no_such_reward")
+@pytest.mark.parametrize("name, message", [
+    ("no_such_reward", r"reward.functions\[0\]='no_such_reward' is not a registered reward \(known: .*exact_match"),
+    ("no_such_pkg.mod:fn", r"reward.functions\[0\]='no_such_pkg.mod:fn': module 'no_such_pkg.mod' not found"),
+    (f"{HERE}:missing", r"has no attribute 'missing'"),
+    (f"{HERE}:not_callable", r"not_callable is a int, not callable"),
+    (f"{HERE}:no_completion", r"cannot take completion="),
+    (f"{HERE}:positional_only", r"cannot take prompt="),
+])
+def test_check_reward_functions_fails_in_one_line(name, message):
+    with pytest.raises(RewardFunctionError, match=message) as info:
+        check_reward_functions([name])
+    assert "\n" not in str(info.value)
+
+
+def test_check_reward_functions_knows_the_data_fields():
+    check_reward_functions(["exact_match", f"{HERE}:plain", f"{HERE}:faulty", "math_answer"])
+    check_reward_functions([f"{HERE}:with_answer"], fields=["answer"])
+    with pytest.raises(RewardFunctionError, match=r"requires answer, which the data does not provide"):
+        check_reward_functions([f"{HERE}:with_answer"], fields=[])
+
+
+def test_fields_reach_the_functions_that_accept_them():
+    scored = score_samples(["p", "p", "p"], ["7", "8", "ab"], [f"{HERE}:with_answer", f"{HERE}:plain"],
+                           timeout_s=10.0, fields=[{"answer": "7", "level": 2}, {"answer": "7", "level": 0},
+                                                   {"answer": "ab", "other": "ignored"}])
+    np.testing.assert_array_equal(scored.reward, [10 + 2 + 1, 0 + 0 + 1, 10 + 0 + 2])
+    assert not scored.failed.any()
+
+
+def test_every_fault_fails_only_its_sample_within_the_time_limit():
+    kinds = ["ok", "sleep", "ok", "exit", "segfault", "hog", "raise", "nan", "huge", "print", "ok"]
+    timeout_s = 1.0
+    t0 = time.monotonic()
+    scored = score_samples(["p"] * len(kinds), kinds, [f"{HERE}:faulty"], timeout_s=timeout_s,
+                           fields=[{"answer": "1"}] * len(kinds), memory_limit_bytes=256 << 20)
+    elapsed = time.monotonic() - t0
+    expect_failed = [k not in ("ok", "print") for k in kinds]
+    np.testing.assert_array_equal(scored.failed, expect_failed)
+    np.testing.assert_array_equal(scored.reward, np.where(expect_failed, 0.0, 2.0))  # 1 + one field
+    # One sleep killed at the limit, plus restarting the process after the sleep, exit and segfault.
+    assert elapsed < timeout_s + 15.0, elapsed
+
+
+def test_a_function_that_cannot_load_raises_once():
+    with pytest.raises(RewardProcessError, match="cannot load .*no_such_reward"):
+        score_samples(["p"], ["c"], ["no_such_reward"], timeout_s=1.0)
+
+
+def _score_in_child(queue) -> None:
+    try:
+        scored = score_samples(["p", "p"], ["ok", "exit"], [f"{HERE}:faulty"], timeout_s=5.0)
+        queue.put((scored.reward.tolist(), scored.failed.tolist()))
+    finally:
+        close_reward_processes()
+
+
+def test_scoring_works_inside_a_daemonic_process():
+    """Dask's Nanny runs workers as daemonic processes, which multiprocessing forbids to have
+    children; the reward process is started with subprocess, so scoring works there too."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_score_in_child, args=(queue,), daemon=True)
+    proc.start()
+    try:
+        assert queue.get(timeout=60) == ([1.0, 0.0], [False, True])  # no fields: 1 + 0
+    finally:
+        proc.join(timeout=10)

@@ -1,0 +1,141 @@
+"""Read prompt records from a JSONL file, a parquet file or a saved Hugging Face dataset.
+
+Every bad record fails the whole load with one line naming the file, the line (JSONL, 1-based) or
+row (parquet / hf, 0-based) and the field, so a dataset is fixed before a run spends any compute.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from stages.data.config import RESERVED_FIELDS, DatasetConfig, DatasetError
+
+__all__ = ["RawRecord", "read_records"]
+
+
+@dataclass(frozen=True)
+class RawRecord:
+    """One record as stored: where it came from, its prompt text, answer and other fields."""
+
+    where: str
+    """``path:line 7`` or ``path row 6``; every error about the record starts with it."""
+    prompt: str
+    answer: Optional[str]
+    fields: dict[str, Any] = field(default_factory=dict)
+    """Every other field, passed to reward functions by name."""
+
+
+_MISSING = object()  # a field absent from the record (None is a present null)
+
+
+def read_records(cfg: DatasetConfig) -> list[RawRecord]:
+    """All records of the configured file or folder (kinds jsonl, parquet, hf), in stored order."""
+    path = Path(cfg.path or "")
+    if cfg.kind == "jsonl":
+        records = _read_jsonl(path, cfg)
+    elif cfg.kind == "parquet":
+        records = _read_table(_parquet_table(path), str(path), cfg)
+    elif cfg.kind == "hf":
+        records = _read_table(_hf_table(path), str(path), cfg)
+    else:
+        raise DatasetError(f"dataset.kind={cfg.kind} has no file to read")
+    if not records:
+        raise DatasetError(f"{path}: no records; a dataset needs at least one")
+    return records
+
+
+def _record(where: str, row: dict[str, Any], cfg: DatasetConfig) -> RawRecord:
+    prompt = row.get(cfg.prompt_field, _MISSING)
+    if prompt is _MISSING:
+        raise DatasetError(f"{where}: missing field {cfg.prompt_field!r} (dataset.prompt_field); "
+                           f"fields: {', '.join(map(str, row)) or 'none'}")
+    if not isinstance(prompt, str):
+        raise DatasetError(f"{where}: field {cfg.prompt_field!r} is {type(prompt).__name__}, not a string")
+    if not prompt.strip():
+        raise DatasetError(f"{where}: field {cfg.prompt_field!r} is empty")
+    answer = None
+    if cfg.answer_field is not None:
+        answer = _answer_text(where, row.get(cfg.answer_field, _MISSING), cfg.answer_field)
+    fields = {k: v for k, v in row.items() if k not in (cfg.prompt_field, cfg.answer_field)}
+    taken = set(RESERVED_FIELDS) | ({"answer"} if cfg.answer_field is not None else set())
+    for name in fields:
+        if name in taken:
+            raise DatasetError(f"{where}: field {name!r} clashes with the reward argument of that name; "
+                               "rename it in the data or point dataset.prompt_field / answer_field at it")
+    return RawRecord(where, prompt, answer, fields)
+
+
+def _answer_text(where: str, value: Any, name: str) -> str:
+    """The ground truth as text: numbers written without a spurious ``.0``."""
+    if value is _MISSING:
+        raise DatasetError(f"{where}: missing field {name!r} (dataset.answer_field); unset "
+                           "dataset.answer_field if the data has no answers")
+    if isinstance(value, bool) or value is None or not isinstance(value, (str, int, float)):
+        raise DatasetError(f"{where}: field {name!r} is {type(value).__name__}, not a string or number")
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise DatasetError(f"{where}: field {name!r} is {value}, not a finite number")
+        return str(int(value)) if value.is_integer() else repr(value)
+    return str(value)
+
+
+def _read_jsonl(path: Path, cfg: DatasetConfig) -> list[RawRecord]:
+    if not path.is_file():
+        raise DatasetError(f"{path}: not found (dataset.path)")
+    records = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:line {lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DatasetError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+            if not isinstance(row, dict):
+                raise DatasetError(f"{where}: a {type(row).__name__}, not a JSON object")
+            records.append(_record(where, row, cfg))
+    return records
+
+
+def _parquet_table(path: Path):
+    import pyarrow.parquet as pq
+
+    if not path.is_file():
+        raise DatasetError(f"{path}: not found (dataset.path)")
+    try:
+        return pq.read_table(path)
+    except Exception as exc:  # pyarrow raises several types for a bad file
+        raise DatasetError(f"{path}: not a readable parquet file ({exc})") from exc
+
+
+def _hf_table(path: Path):
+    try:
+        from datasets import Dataset, DatasetDict, load_from_disk
+    except ImportError as exc:
+        raise DatasetError("dataset.kind=hf needs the datasets package: pip install 'grpoflow[hf]'") from exc
+    if not path.is_dir():
+        raise DatasetError(f"{path}: not found (dataset.path must be a folder written by save_to_disk)")
+    try:
+        ds = load_from_disk(str(path))
+    except Exception as exc:
+        raise DatasetError(f"{path}: not a saved Hugging Face dataset ({exc})") from exc
+    if isinstance(ds, DatasetDict):
+        splits = ", ".join(f"{path}/{name}" for name in ds)
+        raise DatasetError(f"{path}: holds several splits; set dataset.path to one of {splits}")
+    assert isinstance(ds, Dataset)
+    return ds.with_format("arrow")[:]  # the rows in dataset order (any select/shuffle applied)
+
+
+def _read_table(table, path: str, cfg: DatasetConfig) -> list[RawRecord]:
+    if cfg.prompt_field not in table.column_names:
+        raise DatasetError(f"{path}: no column {cfg.prompt_field!r} (dataset.prompt_field); "
+                           f"columns: {', '.join(table.column_names)}")
+    if cfg.answer_field is not None and cfg.answer_field not in table.column_names:
+        raise DatasetError(f"{path}: no column {cfg.answer_field!r} (dataset.answer_field); "
+                           f"columns: {', '.join(table.column_names)}")
+    return [_record(f"{path} row {i}", row, cfg) for i, row in enumerate(table.to_pylist())]

@@ -1,0 +1,197 @@
+"""Reward functions run in a separate process that can be killed.
+
+Threads cannot be stopped, so a reward that loops forever, leaks memory or crashes the interpreter
+would take the scoring task down with it. Here the functions run in one child Python process per
+(function list, memory limit), started with :mod:`subprocess` (Dask's worker processes are
+daemonic and may not start :mod:`multiprocessing` children) and kept between calls:
+
+* **time**: each sample gets ``timeout_s`` of wall clock; past it the child is killed (SIGKILL) and a
+  fresh one started for the next sample.
+* **memory**: the child caps its address space with ``RLIMIT_AS``; an allocation past it raises
+  MemoryError there (or kills the child), which fails that sample only.
+* **crashes**: a child that exits (segfault, ``os._exit``) fails the sample in flight; the next
+  sample gets a fresh child.
+* **data**: the child receives only the prompt text, completion text and the record's fields, runs
+  in an empty temporary folder, and is never told the run folder or the store's path. This limits
+  accidents, not attacks: it is not a security sandbox.
+
+Messages are length-prefixed pickles over the child's stdin and a duplicate of its stdout; fd 1 of
+the child is pointed at stderr, so a reward that prints does not corrupt the channel.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import select
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Optional
+
+__all__ = ["RewardProcess", "RewardProcessError", "SampleFailed", "close_reward_processes", "reward_process"]
+
+_HEADER = struct.Struct(">Q")
+_CHILD = "from stages.reward.isolated import _child_main; _child_main()"
+# Numeric libraries start a thread pool per core; each reserves address space that counts
+# against RLIMIT_AS, so the child keeps to one thread.
+_THREAD_ENV = {k: "1" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+
+
+class RewardProcessError(RuntimeError):
+    """The reward process could not start (a function fails to import, or start-up timed out)."""
+
+
+class SampleFailed(Exception):
+    """One sample could not be scored: the reward raised, ran past its limit or killed the process."""
+
+
+def _write_frame(fd: int, obj: Any) -> None:
+    body = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    data = memoryview(_HEADER.pack(len(body)) + body)
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _read_exact(fd: int, n: int, deadline: Optional[float]) -> Optional[bytes]:
+    """``n`` bytes from ``fd``; None at end of file; TimeoutError past ``deadline``."""
+    chunks, got = [], 0
+    while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError
+        chunk = os.read(fd, n - got)
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _read_frame(fd: int, deadline: Optional[float] = None) -> Any:
+    header = _read_exact(fd, _HEADER.size, deadline)
+    if header is None:
+        raise EOFError
+    body = _read_exact(fd, _HEADER.unpack(header)[0], deadline)
+    if body is None:
+        raise EOFError
+    return pickle.loads(body)
+
+
+class RewardProcess:
+    """One child process holding the loaded reward functions."""
+
+    def __init__(self, functions: tuple[str, ...], memory_limit_bytes: Optional[int], startup_timeout_s: float):
+        self.functions = functions
+        self._tmp = tempfile.TemporaryDirectory(prefix="grpoflow-reward-")
+        # The parent's import path, absolute, so the child imports the same modules from its own folder.
+        path = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
+        env = {**os.environ, **_THREAD_ENV, "PYTHONPATH": os.pathsep.join(path)}
+        self.proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     cwd=self._tmp.name, env=env, bufsize=0, close_fds=True)
+        try:
+            _write_frame(self.proc.stdin.fileno(), (functions, memory_limit_bytes))
+            kind, detail = _read_frame(self.proc.stdout.fileno(), time.monotonic() + startup_timeout_s)
+        except TimeoutError:
+            self.close()
+            raise RewardProcessError(f"reward process did not load {', '.join(functions)} within "
+                                     f"{startup_timeout_s:.0f} s") from None
+        except (EOFError, OSError):
+            self.close()
+            raise RewardProcessError(f"reward process exited while loading {', '.join(functions)} (memory limit "
+                                     f"{memory_limit_bytes} bytes too low?)") from None
+        if kind != "ready":
+            self.close()
+            raise RewardProcessError(f"reward process cannot load {', '.join(functions)}: {detail}")
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def score(self, prompt: str, completion: str, fields: dict[str, Any], timeout_s: float) -> float:
+        """Sum of the functions for one sample; SampleFailed (and the child killed if it hangs) otherwise."""
+        try:
+            _write_frame(self.proc.stdin.fileno(), (prompt, completion, fields))
+            kind, detail = _read_frame(self.proc.stdout.fileno(), time.monotonic() + timeout_s)
+        except TimeoutError:
+            self.close()
+            raise SampleFailed(f"reward ran past {timeout_s} s; its process was killed") from None
+        except (EOFError, OSError):
+            code = self.proc.poll()
+            self.close()
+            raise SampleFailed(f"reward process died (exit code {code})") from None
+        if kind != "ok":
+            raise SampleFailed(detail)
+        return detail
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()
+        self._tmp.cleanup()
+
+
+# One process per (functions, memory limit) in each scoring process, reused across calls.
+_PROCESSES: dict[tuple[tuple[str, ...], Optional[int]], RewardProcess] = {}
+
+
+def reward_process(functions: tuple[str, ...], memory_limit_bytes: Optional[int],
+                   startup_timeout_s: float) -> RewardProcess:
+    """The live process for these functions, started (again) if it is missing or dead."""
+    key = (functions, memory_limit_bytes)
+    held = _PROCESSES.get(key)
+    if held is None or not held.alive:
+        if held is not None:
+            held.close()
+        _PROCESSES[key] = RewardProcess(functions, memory_limit_bytes, startup_timeout_s)
+    return _PROCESSES[key]
+
+
+@atexit.register
+def close_reward_processes() -> None:
+    """Stop every reward process this process started."""
+    while _PROCESSES:
+        _PROCESSES.popitem()[1].close()
+
+
+def _child_main() -> None:
+    """The child's loop: load the functions under the memory limit, then score until stdin closes."""
+    import resource
+
+    from stages.reward import accepted_fields, resolve_reward
+
+    out_fd, in_fd = os.dup(1), os.dup(0)
+    os.dup2(2, 1)  # print() in a reward goes to stderr, not into the channel
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    sys.stdout = sys.stderr
+    functions, memory_limit_bytes = _read_frame(in_fd)
+    if memory_limit_bytes is not None:
+        resource.setrlimit(resource.RLIMIT_AS, (memory_limit_bytes, memory_limit_bytes))
+    try:
+        loaded = [(fn, accepted_fields(fn)) for fn in map(resolve_reward, functions)]
+    except Exception as exc:
+        _write_frame(out_fd, ("error", f"{type(exc).__name__}: {exc}"))
+        return
+    _write_frame(out_fd, ("ready", None))
+    while True:
+        try:
+            prompt, completion, fields = _read_frame(in_fd)
+        except EOFError:
+            return
+        try:
+            total = 0.0
+            for fn, accepted in loaded:
+                kwargs = fields if accepted is None else {k: v for k, v in fields.items() if k in accepted}
+                total += float(fn(prompt=prompt, completion=completion, **kwargs))
+            reply: tuple[str, Any] = ("ok", total)
+        except BaseException as exc:  # MemoryError, SystemExit from user code: a failed sample
+            reply = ("error", f"{type(exc).__name__}: {str(exc)[:300]}")
+        _write_frame(out_fd, reply)

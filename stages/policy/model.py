@@ -159,7 +159,8 @@ class Attention(nn.Module):
         # HF Llama and Qwen3 put attention_bias on o_proj too; Qwen2 biases q/k/v only.
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size,
                                 bias=bias and cfg.model_type != "qwen2")
-        # Qwen3: one RMSNorm over head_dim shared by all heads, so it is indifferent to a TP head split.
+        # Qwen3: one RMSNorm over head_dim shared by all heads (under TP its gradient is summed over ranks,
+        # stages/train/parallel.py head_local_parameters).
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 

@@ -96,7 +96,8 @@ def attention_bias_of(model_type: str, attention_bias: bool | None) -> bool:
 
 def shape_from_hf(hf: Mapping[str, Any], cls: type[_Shape] = ModelShape, **extra: Any) -> _Shape:  # type: ignore[assignment]
     """Build ``cls`` from a parsed HF config.json: ``head_dim`` defaults to hidden_size //
-    num_attention_heads and ``num_key_value_heads`` to num_attention_heads (as transformers does)."""
+    num_attention_heads (128 for qwen3) and ``num_key_value_heads`` to num_attention_heads (as
+    transformers does). Sliding-window attention is rejected."""
     model_type = str(hf.get("model_type") or "llama")
     _reject_sliding_window(hf)
     try:

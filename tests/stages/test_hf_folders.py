@@ -126,6 +126,26 @@ def test_qwen3_folder_has_q_and_k_norm_weights(tmp_path):
             assert f"model.layers.{layer}.self_attn.{norm}.weight" in names
 
 
+def test_cached_generation_matches_transformers(tmp_path):
+    """The rollout engine's KV-cache decode of a Qwen3 folder with llama3 RoPE, prompts and
+    completions running past the original context: its behaviour log-probs are transformers'."""
+    from stages.rollout import SamplingParams, generate
+
+    hf_model = make_hf_folder(FOLDERS["qwen3-llama3-rope"](), tmp_path)
+    ours = runtime_model(tmp_path)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 15, (n,), generator=gen).tolist() for n in (50, 70)]
+    params = SamplingParams(group_size=2, max_new_tokens=30, temperature=0.8, pad_id=0)
+    batch = generate(ours, prompts, params, torch.Generator().manual_seed(0))
+    for row in range(len(prompts) * params.group_size):
+        prompt = prompts[row // params.group_size]
+        completion = batch.tokens[row, : batch.length[row]].tolist()
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1: -1]
+        expected = torch.log_softmax(logits / params.temperature, dim=-1)[torch.arange(len(completion)), completion]
+        assert max_diff(torch.from_numpy(batch.behav_logp[row, : len(completion)]), expected) <= _PARITY_ATOL
+
+
 # -- saving a version back -------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["llama3.1", "qwen3-bias-tied"])
 def test_saved_version_loads_in_transformers(name, tmp_path):

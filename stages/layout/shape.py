@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, TypeVar
 
 __all__ = ["MODEL_TYPES", "ROPE_SCALING_TYPES", "ModelShape", "RopeScaling", "attention_bias_of", "shape_from_hf",
-           "hf_rope_theta", "hf_rope_scaling"]
+           "hf_rope_theta", "hf_rope_scaling", "check_full_attention"]
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3")
 ROPE_SCALING_TYPES = ("llama3",)
@@ -97,9 +97,8 @@ def attention_bias_of(model_type: str, attention_bias: bool | None) -> bool:
 def shape_from_hf(hf: Mapping[str, Any], cls: type[_Shape] = ModelShape, **extra: Any) -> _Shape:  # type: ignore[assignment]
     """Build ``cls`` from a parsed HF config.json: ``head_dim`` defaults to hidden_size //
     num_attention_heads (128 for qwen3) and ``num_key_value_heads`` to num_attention_heads (as
-    transformers does). Sliding-window attention is rejected."""
+    transformers does)."""
     model_type = str(hf.get("model_type") or "llama")
-    _reject_sliding_window(hf)
     try:
         heads = int(hf["num_attention_heads"])
         fields = dict(
@@ -118,9 +117,10 @@ def shape_from_hf(hf: Mapping[str, Any], cls: type[_Shape] = ModelShape, **extra
                **extra)
 
 
-def _reject_sliding_window(hf: Mapping[str, Any]) -> None:
+def check_full_attention(hf: Mapping[str, Any]) -> None:
     """Qwen2 / Qwen3 configs can switch some layers to sliding-window attention; the runtime attends
-    over the whole causal context, so such a model would silently compute something else."""
+    over the whole causal context, so it rejects such a model rather than compute something else (the
+    planner need not: the window changes no size)."""
     sliding = [t for t in hf.get("layer_types") or () if t != "full_attention"]
     if hf.get("use_sliding_window") or sliding:
         raise ValueError("config.json use_sliding_window / layer_types asks for sliding-window attention, which is "

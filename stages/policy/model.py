@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stages.layout import ModelShape, hf_rope_theta, layer_ranges, shape_from_hf
-from stages.layout.shape import RopeScaling, hf_rope_scaling
+from stages.layout.shape import RopeScaling, check_full_attention, hf_rope_scaling
 
 __all__ = [
     "DecoderConfig",
@@ -55,6 +55,7 @@ class DecoderConfig(ModelShape):
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any], **extra: Any) -> "DecoderConfig":
         """Shape by the shared parser (one bias rule), RoPE and token ids by the runtime."""
+        check_full_attention(hf)
         return shape_from_hf(
             hf, cls, rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=hf_rope_theta(hf),
             rope_scaling=hf_rope_scaling(hf),

@@ -21,6 +21,9 @@ from safetensors.torch import load_file, save_file
 __all__ = ["PolicyStoreError", "PolicyRef", "PolicyStore"]
 
 _MANIFEST = "grpoflow.json"
+# Files of a source HF folder a version carries over, so that a tokenizer (chat template, special
+# tokens) and generation defaults can be rebuilt from the version alone.
+_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
 class PolicyStoreError(RuntimeError):
@@ -66,8 +69,10 @@ class PolicyStore:
         return target.stat().st_size
 
     def finalize_policy(self, version: int, hf_config: dict, tokenizer_json: str, count: int,
-                        extra: dict | None = None) -> PolicyRef:
-        """Write the index, config and tokenizer next to the shards, then the manifest (last)."""
+                        extra: dict | None = None, source: str | Path | None = None) -> PolicyRef:
+        """Write the index, config and tokenizer next to the shards, then the manifest (last).
+        ``source``: an HF folder whose tokenizer_config.json, special_tokens_map.json and
+        generation_config.json, where present, are copied into the version."""
         path = self.version_path(version)
         weight_map, total, digest = {}, 0, hashlib.sha256()
         for i in range(count):
@@ -83,16 +88,20 @@ class PolicyStore:
                            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
         _atomic_write_text(path / "config.json", json.dumps(hf_config, indent=1))
         _atomic_write_text(path / "tokenizer.json", tokenizer_json)
+        for name in _SIDE_FILES if source is not None else ():
+            if (Path(source) / name).exists():
+                _atomic_write_text(path / name, (Path(source) / name).read_text())
         ref = PolicyRef(str(path), version, digest.hexdigest(), total)
         _atomic_write_text(path / _MANIFEST, json.dumps({"version": version, "sha256": ref.sha256,
                                                          "num_bytes": total, **(extra or {})}))
         return ref
 
     def save_policy(self, version: int, hf_config: dict, tokenizer_json: str,
-                    tensors: dict[str, torch.Tensor], extra: dict | None = None) -> PolicyRef:
-        """A whole policy in one shard (the warm-up base policy, tests)."""
+                    tensors: dict[str, torch.Tensor], extra: dict | None = None,
+                    source: str | Path | None = None) -> PolicyRef:
+        """A whole policy in one shard (the base policy, tests); ``source`` as in :meth:`finalize_policy`."""
         self.save_shard(version, 0, 1, tensors)
-        return self.finalize_policy(version, hf_config, tokenizer_json, 1, extra)
+        return self.finalize_policy(version, hf_config, tokenizer_json, 1, extra, source)
 
     def is_complete(self, version: int) -> bool:
         return (self.version_path(version) / _MANIFEST).exists()

@@ -1,7 +1,8 @@
-"""A compact decoder of the Llama / Qwen2 family, built from an HF config.json.
+"""A compact decoder of the Llama / Qwen2 / Qwen3 family, built from an HF config.json.
 
-RMSNorm, rotary position embeddings, grouped-query attention, SwiGLU MLP, optional q/k/v bias
-(Qwen2), tied or untied embeddings. Parameter names match the HF checkpoints once
+RMSNorm, rotary position embeddings (optionally with Llama 3.1 frequency scaling), grouped-query
+attention, SwiGLU MLP, optional q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3), tied or untied
+embeddings. Parameter names match the HF checkpoints once
 :func:`to_hf_name` is applied, so HF safetensors load directly.
 
 The model is a :class:`DecoderStage` over a contiguous layer range: with the full range it is
@@ -11,6 +12,7 @@ splits and wraps it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stages.layout import ModelShape, hf_rope_theta, layer_ranges, shape_from_hf
+from stages.layout.shape import RopeScaling, check_full_attention, hf_rope_scaling
 
 __all__ = [
     "DecoderConfig",
@@ -29,6 +32,7 @@ __all__ = [
     "document_mask",
     "document_positions",
     "layer_ranges",
+    "rope_inv_freq",
     "to_hf_name",
     "from_hf_name",
 ]
@@ -37,10 +41,12 @@ __all__ = [
 @dataclass(frozen=True, kw_only=True)
 class DecoderConfig(ModelShape):
     """A decoder the runtime builds: the shared :class:`stages.layout.ModelShape` plus the settings
-    that change no size (RoPE base, norm epsilon, special token ids)."""
+    that change no size (RoPE base and scaling, norm epsilon, special token ids)."""
 
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    rope_scaling: Optional[RopeScaling] = None
+    """Llama 3.1 frequency scaling of RoPE; None: plain RoPE."""
     max_position_embeddings: int = 2048
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
@@ -49,13 +55,16 @@ class DecoderConfig(ModelShape):
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any], **extra: Any) -> "DecoderConfig":
         """Shape by the shared parser (one bias rule), RoPE and token ids by the runtime."""
+        check_full_attention(hf)
         return shape_from_hf(
             hf, cls, rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=hf_rope_theta(hf),
+            rope_scaling=hf_rope_scaling(hf),
             max_position_embeddings=hf.get("max_position_embeddings", 2048), bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"), pad_token_id=hf.get("pad_token_id"), **extra)
 
     def to_hf(self) -> dict[str, Any]:
-        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[self.model_type]
+        """config.json of this decoder; transformers (4.43+ and 5) builds the same model from it."""
+        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[self.model_type]
         out = {
             "architectures": [arch],
             "model_type": self.model_type,
@@ -76,9 +85,14 @@ class DecoderConfig(ModelShape):
             "eos_token_id": self.eos_token_id,
             "pad_token_id": self.pad_token_id,
         }
-        if self.model_type == "llama":
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = self.rope_scaling.to_hf()
+        if self.model_type in ("llama", "qwen3"):
             out["attention_bias"] = self.attention_bias
+        if self.model_type == "llama":
             out["mlp_bias"] = False
+        if self.model_type in ("qwen2", "qwen3"):
+            out["use_sliding_window"] = False
         return out
 
 
@@ -103,10 +117,28 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate halves (HF convention). x: [B, h, T, d]; positions: [B, T]."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[RopeScaling] = None,
+                  device: Optional[torch.device] = None) -> torch.Tensor:
+    """Rotary frequencies f_i = theta^(-2i/d), i < d/2, fp32 [d/2]; with ``scaling``, Llama 3.1's
+    wavelength-based rescaling (formula in :class:`stages.layout.shape.RopeScaling`; Dubey et al.
+    2024, "The Llama 3 Herd of Models", and Meta's llama-models reference ``apply_scaling``)."""
+    freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    if scaling is None:
+        return freq
+    wavelen = 2 * math.pi / freq
+    ctx = scaling.original_max_position_embeddings
+    # High frequencies (short wavelengths) resolve positions within the original context: keep them.
+    # Low frequencies would see angles never met in pretraining: stretch them by `factor`. The band
+    # between interpolates linearly in ctx / wavelen, so the two regimes meet without a jump.
+    smooth = (ctx / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * freq / scaling.factor + smooth * freq
+    out = torch.where(wavelen > ctx / scaling.low_freq_factor, freq / scaling.factor, blended)
+    return torch.where(wavelen < ctx / scaling.high_freq_factor, freq, out)
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate halves (HF convention). x: [B, h, T, d]; positions: [B, T]; inv_freq: [d/2] fp32."""
     d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
     angles = positions.float()[:, None, :, None] * inv_freq  # (B, 1, T, d/2)
     cos = torch.cat([angles.cos(), angles.cos()], dim=-1).to(x.dtype)
     sin = torch.cat([angles.sin(), angles.sin()], dim=-1).to(x.dtype)
@@ -120,22 +152,30 @@ class Attention(nn.Module):
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-        self.theta = cfg.rope_theta
+        self.theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        # HF Llama puts attention_bias on o_proj too; Qwen2 biases q/k/v only.
+        # HF Llama and Qwen3 put attention_bias on o_proj too; Qwen2 biases q/k/v only.
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size,
-                                bias=bias and cfg.model_type == "llama")
+                                bias=bias and cfg.model_type != "qwen2")
+        # Qwen3: one RMSNorm over head_dim shared by all heads (under TP its gradient is summed over ranks,
+        # stages/train/parallel.py head_local_parameters).
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 cache: Optional[AttentionCache], attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, h, T, d)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, kvh, T, d)
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)  # (B, T, h, d)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # (B, T, kvh, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, h, T, d), (B, kvh, T, d)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = _rope(q, positions, self.theta), _rope(k, positions, self.theta)
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.rope_scaling, x.device)
+        q, k = _rope(q, positions, inv_freq), _rope(k, positions, inv_freq)
         if cache is not None:
             out = cache.attend(self.layer, q, k, v)
         else:
@@ -258,7 +298,7 @@ class DecoderStage(nn.Module):
 
     def init_weights(self, generator: torch.Generator, std: float = 0.02) -> None:
         for name, p in self.named_parameters():
-            if name.endswith("layernorm.weight") or name == "norm.weight":
+            if name.endswith("norm.weight"):  # layer norms, q/k norms, the final norm
                 nn.init.ones_(p)
             elif name.endswith(".bias"):
                 nn.init.zeros_(p)

@@ -37,7 +37,7 @@ from stages.train.layout import ParallelLayout, schedule_error
 from stages.train.loss import LossConfig, LossStats, grpo_microbatch_loss, make_chunked_loss
 from stages.train.mesh import init_rank_groups
 from stages.train.parallel import (DEFAULT_BUCKET_BYTES, allreduce_grads, apply_tensor_parallel, clip_grad_norm,
-                                   sum_tied_grads, unique_parameters)
+                                   head_local_parameters, sum_tied_grads, unique_parameters)
 from stages.train.schedules import ForwardOnlySchedule, LogpStage, build_train_schedule
 from stages.train.timeline import Action, RankTimeline, TimedStage, bubble_fraction, timed_p2p
 
@@ -116,6 +116,7 @@ class TrainRank:
         self.ref_schedule = self._forward_only(self.reference)
         self.prox_schedule = self._forward_only(self.modules)
         self.params = unique_parameters(self.modules)
+        self.head_local = head_local_parameters(self.modules)  # TP sums their per-head gradient shares
         self.optimizer = torch.optim.AdamW(self.params, lr=setup.lr, weight_decay=setup.weight_decay)
         self._passes = 0  # training / forward-only passes started: the same sequence on every rank
         self._pass = -1  # the one running (InjectedFault.step, the failure reports' key)
@@ -240,6 +241,8 @@ class TrainRank:
                                **local)
         t1 = time.time_ns()
         allreduce_grads(self.params, self.groups.dp, self.setup.grad_bucket_bytes)
+        if self.head_local:
+            allreduce_grads(self.head_local, self.groups.tp, self.setup.grad_bucket_bytes)
         self._sum_tied_grads()
         metrics = self._loss_metrics()
         metrics["bubble_fraction"] = bubble_fraction(self.timeline.actions, t0, t1)

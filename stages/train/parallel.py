@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 __all__ = ["apply_tensor_parallel", "local_tensor", "allreduce_grads", "unique_parameters", "sum_tied_grads",
-           "clip_grad_norm", "DEFAULT_BUCKET_BYTES"]
+           "clip_grad_norm", "DEFAULT_BUCKET_BYTES", "head_local_parameters"]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size: few collectives, bounded extra memory
 _CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s guard against a zero norm
@@ -54,6 +54,14 @@ def apply_tensor_parallel(stage: nn.Module, tp_mesh: DeviceMesh) -> None:
         layer.self_attn.num_heads //= T
         layer.self_attn.num_kv_heads //= T
     parallelize_module(stage, tp_mesh, plan)
+
+
+def head_local_parameters(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
+    """Replicated weights applied to each rank's own heads (Qwen3's q_norm / k_norm over head_dim):
+    under TP a rank's gradient of one is only its heads' share, so the shares are summed over the
+    TP group (as Megatron-LM does for its q/k layernorms) to keep the replicas equal."""
+    return [p for m in modules for name, p in m.named_parameters()
+            if name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight"))]
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from stages.layout.shape import RopeScaling
 from stages.policy import (DecoderConfig, build_stage, hf_state, layer_ranges, load_hf_state,
                            stage_hf_names)
 from stages.policy.tokenizer import TextCodec
@@ -84,6 +85,39 @@ def assert_parity(cfg: DecoderConfig, seed: int = 0) -> None:
 ])
 def test_logits_match_transformers(overrides):
     assert_parity(make_cfg(**overrides))
+
+
+_LLAMA31_ROPE = RopeScaling(factor=4.0, low_freq_factor=1.0, high_freq_factor=3.0, original_max_position_embeddings=8)
+
+
+@pytest.mark.parametrize("overrides", [
+    pytest.param(dict(model_type="qwen3"), id="qwen3-gqa"),
+    pytest.param(dict(model_type="qwen3", attention_bias=True, tie_word_embeddings=True, head_dim=12),
+                 id="qwen3-bias-tied"),
+    pytest.param(dict(rope_scaling=_LLAMA31_ROPE, rope_theta=10000.0), id="llama3.1-rope"),
+    pytest.param(dict(model_type="qwen3", rope_scaling=_LLAMA31_ROPE, rope_theta=10000.0), id="qwen3-llama3.1-rope"),
+])
+def test_qwen3_and_llama31_rope_logits_match_transformers(overrides):
+    """transformers built from to_hf(): 24 tokens run past the original context of 8."""
+    cfg = make_cfg(**overrides)
+    hf_model = make_hf_model(cfg)
+    ours = ours_from_hf(cfg, hf_model)
+    assert set(stage_hf_names(ours)) == set(hf_model.state_dict()) - (
+        {"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    ids = make_ids(cfg, length=24)
+    with torch.no_grad():
+        assert (ours(ids) - hf_model(ids).logits).abs().max().item() <= _PARITY_ATOL
+
+
+def test_qwen3_pipeline_stages_in_sequence_equal_the_full_model():
+    cfg = make_cfg(num_hidden_layers=3, model_type="qwen3")
+    hf_model = make_hf_model(cfg, seed=4)
+    ids = make_ids(cfg, seed=4)
+    with torch.no_grad():
+        x = ids
+        for s in range(3):
+            x = ours_from_hf(cfg, hf_model, s, 3)(x)
+        assert (x - hf_model(ids).logits).abs().max().item() <= _PARITY_ATOL
 
 
 @st.composite

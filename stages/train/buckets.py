@@ -12,6 +12,9 @@ because every loss weight already carries its global-batch denominator (batch.py
 Placement, a deterministic function of the stored lengths (so every rank plans the same passes):
 
 1. A group's home bucket is the narrowest with T_b >= its longest sequence (groups stay whole).
+   Then groups move up where that saves slots (a bucket holding a fraction of a pass costs a whole
+   pass; a wider row costs only its extra padding): first all groups below some bucket c into c
+   (the best c), then one bucket's groups one bucket up at a time while that still saves slots.
 2. Buckets are filled widest first. Within a bucket, its groups go next-fit into microbatches as in
    plan.py (whole if they fit an empty microbatch, else split at sequence boundaries), and the
    microbatches are cut into passes of D x m.
@@ -175,8 +178,33 @@ def plan_passes(seq_len: np.ndarray, layout: BucketedLayout) -> BucketedPlan:
     if N and (seq_len.min() < 1 or seq_len.max() > layout.max_seq_len):
         raise ValueError(f"sequence lengths must lie in [1, {layout.max_seq_len}] (prompt width + "
                          f"max_new_tokens), got [{seq_len.min()}, {seq_len.max()}]")
+    home = np.searchsorted(np.asarray(layout.widths), seq_len.reshape(-1, G).max(axis=1))  # narrowest T_b >= longest
+    # Candidates: groups below bucket c all moved up to c (c = 0: every group at home); the best,
+    # then single buckets moved up one while that saves slots. Ties keep the narrower placement.
+    best = None
+    for c in range(len(layout.buckets)):
+        trial = np.maximum(home, c)
+        plan = _plan_homes(seq_len, layout, trial)
+        if best is None or plan.num_slots < best.num_slots:
+            best, chosen = plan, trial
+    home = chosen
+    improved = True
+    while improved:  # move a whole bucket's groups one bucket up while that saves slots
+        improved = False
+        for b in range(len(layout.buckets) - 1):
+            if not (home == b).any():
+                continue
+            trial = np.where(home == b, b + 1, home)
+            plan = _plan_homes(seq_len, layout, trial)
+            if plan.num_slots < best.num_slots:
+                home, best, improved = trial, plan, True
+    return best
+
+
+def _plan_homes(seq_len: np.ndarray, layout: BucketedLayout, home: np.ndarray) -> BucketedPlan:
+    """The passes when group g starts in bucket home[g] (steps 2 and 3 of the module docstring)."""
+    G, N = layout.group_size, layout.num_groups * layout.group_size
     groups = seq_len.reshape(layout.num_groups, G)
-    home = np.searchsorted(np.asarray(layout.widths), groups.max(axis=1))  # narrowest T_b >= longest
     pending = [[int(g) for g in np.flatnonzero(home == b)] for b in range(len(layout.buckets))]
     per_pass = layout.num_microbatches
     sample_pass, row, start = (np.zeros(N, np.int64) for _ in range(3))

@@ -103,7 +103,9 @@ def test_bucketed_steps_equal_single_process(schedule, virtual, dp, tp, tied, pa
     step_a, step_b = build_global_batch(a, modes[0], 0, layout), build_global_batch(b, modes[1], 0, layout)
     assert isinstance(step_a, BucketedBatch) and isinstance(step_b, BucketedBatch)
     buckets_a, buckets_b = step_a.plan.pass_bucket, step_b.plan.pass_bucket
-    assert len(set(buckets_a)) >= 2, buckets_a  # passes of mixed shapes in one step
+    # Passes of mixed shapes in one step. Packed, the planner puts these steps in the widest bucket
+    # (narrow packed rows save no slots here), so those cases check a varying count of packed passes.
+    assert len(set(buckets_a)) >= (1 if packing else 2), buckets_a
     assert len(buckets_a) != len(buckets_b), (buckets_a, buckets_b)  # the pass count varies
     expected = [full_batch_grads(model, a, modes[0]), full_batch_grads(model, b, modes[1])]
     norm = torch.cat([g.reshape(-1) for g in expected[0].values()]).norm().item()

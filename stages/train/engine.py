@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from stages.policy import DecoderConfig, build_stage, hf_named_parameters, load_hf_state, stage_hf_names
 from stages.train.batch import BucketedBatch
 from stages.train.faults import (InjectedFault, InputMismatchError, StepGuard, TrainInputError, TrainStepError,
-                                 signature_of)
+                                 passes_signature)
 from stages.train.layout import ParallelLayout, schedule_error
 from stages.train.loss import LossConfig, LossStats, grpo_microbatch_loss, make_chunked_loss
 from stages.train.mesh import init_rank_groups
@@ -209,17 +209,10 @@ class TrainRank:
         data-parallel rank, local inputs) per pass. ``passes``: (global microbatches or None for the
         run's fixed count, full inputs)."""
         D = self.layout.dp
-        if any(f.kind == "shape" and (f.rank, f.step) == (self.rank, self._pass) for f in self.setup.faults):
-            mb, full = passes[0]
-            passes = [(mb, {k: v[:-1] for k, v in full.items()}), *passes[1:]]
-        signature = {"num_passes": str(len(passes))}
-        prepared = []
-        for i, (global_mb, full) in enumerate(passes):
-            m = self.setup.num_microbatches if global_mb is None else global_mb // D
-            prefix = "" if len(passes) == 1 else f"pass{i}/"
-            sig = signature_of(m, full)
-            signature.update({prefix + k: v for k, v in sig.items()})
-            prepared.append((global_mb, m, full, sig))
+        passes = self._faulty_inputs(passes)
+        ms = [self.setup.num_microbatches if mb is None else mb // D for mb, _ in passes]
+        signature, sigs = passes_signature([(m, full) for m, (_, full) in zip(ms, passes)])
+        prepared = [(mb, m, full, sig) for (mb, full), m, sig in zip(passes, ms, sigs)]
         self.guard.check_inputs(call, signature)
         out = []
         for global_mb, m, full, sig in prepared:
@@ -244,6 +237,14 @@ class TrainRank:
             lo = self.coord.dp * per
             out.append((key, m, {k: v[lo:lo + per] for k, v in full.items()}))
         return out
+
+    def _faulty_inputs(self, passes: list) -> list:
+        """Test-only input faults (InjectedFault kinds shape and passes) of this rank's current pass."""
+        kinds = {f.kind for f in self.setup.faults if (f.rank, f.step) == (self.rank, self._pass)}
+        if "shape" in kinds:
+            mb, full = passes[0]
+            passes = [(mb, {k: v[:-1] for k, v in full.items()}), *passes[1:]]
+        return passes[:-1] if "passes" in kinds and len(passes) > 1 else passes
 
     def _begin(self, what: str):
         """Number the next pass (train or forward-only) and guard it."""

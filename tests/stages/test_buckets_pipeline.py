@@ -132,3 +132,24 @@ def test_bucketed_steps_equal_single_process(schedule, virtual, dp, tp, tied, pa
         stages = {act.stage for act in out.steps[0].actions}
         for s in stages:  # every pass ran its m forwards per stage
             assert [act.kind for act in out.steps[0].actions if act.stage == s].count("F") == m * len(buckets_a)
+
+
+def test_ranks_disagreeing_on_the_passes_fail_together_and_recover():
+    """Rank 1 drops a step's last pass: every rank raises the same mismatch naming the pass count,
+    before any pipeline runs, and the next step trains."""
+    from stages.train.faults import InjectedFault
+
+    cfg = make_decoder_config()
+    model = make_model(cfg)
+    layout = bucketed_layout(len(STEP_A), G, PROMPT_WIDTH, MAX_NEW, BUDGET, WIDTHS, False, 2)
+    step = build_global_batch(arrays_for(model, STEP_A, seed=1), "token-mean", 0, layout)
+    assert len(step.passes) >= 2
+    setup = TrainSetup(model=cfg, pipeline_parallel_size=2, num_microbatches=2, schedule="1f1b", loss=LOSS,
+                       timeout_s=30, faults=(InjectedFault(rank=1, kind="passes", step=0),))
+    outputs = run_local_pipeline(setup, hf_state(model), [step, step], calls=["grad", "grad"], stop_on_error=False)
+    for out in outputs:
+        assert out.errors[0] is not None and out.errors[0].startswith("InputMismatchError"), out.errors[0]
+        assert f"rank 1 has num_passes={len(step.passes) - 1}" in out.errors[0]
+        assert out.errors[1] is None
+    want = full_batch_grads(model, arrays_for(model, STEP_A, seed=1), "token-mean")
+    assert worst_diff(merged(outputs, 1, 1e-6), want) <= 1e-6

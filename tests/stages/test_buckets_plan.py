@@ -144,3 +144,16 @@ def test_tiny_config_slots_per_real_token(samples_per_microbatch, bound):
     fixed_ratio = fixed.num_microbatches * fixed.tokens_per_microbatch / (prompt_len + length).sum()
     assert fixed_ratio == pytest.approx(1.2695, abs=1e-4)  # today's single layout, either budget
     assert plan.slots_per_real_token <= bound
+
+
+def test_config_key_gives_the_bucketed_layout():
+    from flows.config import load_config
+    from stages.config import ConfigError
+
+    cfg = load_config("configs/tiny.yaml", ["train.length_buckets=[10,12]", "train.schedule=dualpipev",
+                                            "train.virtual_pipeline_model_parallel_size=2"])
+    layout = cfg.microbatch_layout
+    assert layout.widths == (10, 12, 13) and [b.rows for b in layout.buckets] == [83, 69, 64]
+    assert cfg.num_microbatches == 4  # DualPipeV on 2 ranks: m >= 2p
+    with pytest.raises(ConfigError, match="train.length_buckets"):
+        load_config("configs/tiny.yaml", ["train.length_buckets=[1,12]"])

@@ -8,9 +8,9 @@ Where the sequences go is the microbatch plan (stages/train/plan.py): the global
 num_microbatches x [rows, seq_len] slots, every step the same shape; unplanned, it is one row per
 sample, right-padded to prompt_width + max_new_tokens. With length buckets
 (stages/train/buckets.py) the step is a :class:`BucketedBatch`: a variable number of passes, each
-a :class:`GlobalBatch` of one bucket's fixed shape holding a subset of the samples. Packed rows carry ``doc_ids`` (the sample
-index; -1 on padding) and ``positions`` restarting at 0 per sequence, handed to every pipeline
-stage through :meth:`GlobalBatch.stage_kwargs`.
+a :class:`GlobalBatch` of one bucket's fixed shape holding a subset of the samples. Packed rows
+carry ``doc_ids`` (the sample index; -1 on padding) and ``positions`` restarting at 0 per
+sequence, handed to every pipeline stage through :meth:`GlobalBatch.stage_kwargs`.
 
 The weight channel carries the aggregation's denominator over the *whole* global batch:
 - token-mean:              w = 1 / (completion tokens in the batch)

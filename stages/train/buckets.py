@@ -15,12 +15,13 @@ Placement, a deterministic function of the stored lengths (so every rank plans t
    Then groups move up where that saves slots (a bucket holding a fraction of a pass costs a whole
    pass; a wider row costs only its extra padding): first all groups below some bucket c into c
    (the best c), then one bucket's groups one bucket up at a time while that still saves slots.
-2. Buckets are filled widest first. Within a bucket, its groups go next-fit into microbatches as in
-   plan.py (whole if they fit an empty microbatch, else split at sequence boundaries), and the
-   microbatches are cut into passes of D x m.
-3. The bucket's last pass is usually part-empty: before moving on, whole groups of narrower buckets
-   (widest first, store order) move into its free room, so each step leaves at most one part-empty
-   pass per bucket that still has groups of its own.
+2. Buckets are filled widest first. Within a bucket, its groups go into microbatches as in plan.py
+   (whole if they fit an empty microbatch, else split at sequence boundaries; packed sequences go
+   first-fit into the open microbatch's rows), and the microbatches are cut into passes of D x m.
+   Groups are taken in store order, and again longest first; the plan with fewer slots is kept.
+3. The bucket's last pass is usually part-empty: before moving on, whole groups of narrower
+   buckets (widest first, in the same group order) move into its free room, so each step leaves at
+   most one part-empty pass per bucket that still has groups of its own.
 
 m per pass: the smallest m >= p (pipeline ranks) that the schedule accepts (layout.schedule_error:
 1F1B m >= p, interleaved m a multiple of its rounds, DualPipeV m >= 2p), the same for every bucket.
@@ -156,6 +157,38 @@ class BucketedPlan:
         return self.num_slots / max(int(self.seq_len.sum()), 1)
 
 
+class _FirstFit(_Cursor):
+    """Packed rows: a sequence goes into the first row of the open microbatch with room for it
+    (first-fit), not only the last one (next-fit); padded rows are the same either way."""
+
+    def __init__(self, layout: MicrobatchLayout):
+        super().__init__(layout)
+        self.fill: list[int] = []  # tokens used in each row of the open microbatch
+
+    def fit(self, lengths: np.ndarray, fresh: bool = False) -> Optional[list[tuple[int, int]]]:
+        L = self.layout
+        if not L.packing:
+            return super().fit(lengths, fresh)
+        if self.mb < 0 and not fresh:
+            return None
+        fill = [0] * L.rows if fresh else list(self.fill)
+        out = []
+        for n in lengths:
+            r = next((r for r, used in enumerate(fill) if used + int(n) <= L.seq_len), None)
+            if r is None:
+                return None
+            out.append((r, fill[r]))
+            fill[r] += int(n)
+        return out
+
+    def commit(self, spots: list[tuple[int, int]], lengths: np.ndarray, fresh: bool) -> list[tuple[int, int, int]]:
+        if fresh:
+            self.fill = [0] * self.layout.rows
+        for (r, _), n in zip(spots, lengths):
+            self.fill[r] += int(n)
+        return super().commit(spots, lengths, fresh)
+
+
 def _place_group(cursor: _Cursor, lengths: np.ndarray, limit: Optional[int]) -> Optional[list[tuple[int, int, int]]]:
     """Place a whole group next-fit (open microbatch, else a fresh one below ``limit`` microbatches);
     None if it fits neither."""
@@ -178,13 +211,21 @@ def plan_passes(seq_len: np.ndarray, layout: BucketedLayout) -> BucketedPlan:
     if N and (seq_len.min() < 1 or seq_len.max() > layout.max_seq_len):
         raise ValueError(f"sequence lengths must lie in [1, {layout.max_seq_len}] (prompt width + "
                          f"max_new_tokens), got [{seq_len.min()}, {seq_len.max()}]")
-    home = np.searchsorted(np.asarray(layout.widths), seq_len.reshape(-1, G).max(axis=1))  # narrowest T_b >= longest
-    # Candidates: groups below bucket c all moved up to c (c = 0: every group at home); the best,
-    # then single buckets moved up one while that saves slots. Ties keep the narrower placement.
+    groups = seq_len.reshape(-1, G)
+    home = np.searchsorted(np.asarray(layout.widths), groups.max(axis=1))  # narrowest T_b >= longest
+    store_order = np.arange(layout.num_groups)
+    longest_first = np.argsort(-groups.sum(axis=1), kind="stable")
+    plans = [_search(seq_len, layout, home, order) for order in (store_order, longest_first)]
+    return min(plans, key=lambda p: p.num_slots)  # a tie keeps store order
+
+
+def _search(seq_len: np.ndarray, layout: BucketedLayout, home: np.ndarray, order: np.ndarray) -> BucketedPlan:
+    """Candidates: groups below bucket c all moved up to c (c = 0: every group at home); the best,
+    then single buckets moved up one while that saves slots. Ties keep the narrower placement."""
     best = None
     for c in range(len(layout.buckets)):
         trial = np.maximum(home, c)
-        plan = _plan_homes(seq_len, layout, trial)
+        plan = _plan_homes(seq_len, layout, trial, order)
         if best is None or plan.num_slots < best.num_slots:
             best, chosen = plan, trial
     home = chosen
@@ -195,17 +236,18 @@ def plan_passes(seq_len: np.ndarray, layout: BucketedLayout) -> BucketedPlan:
             if not (home == b).any():
                 continue
             trial = np.where(home == b, b + 1, home)
-            plan = _plan_homes(seq_len, layout, trial)
+            plan = _plan_homes(seq_len, layout, trial, order)
             if plan.num_slots < best.num_slots:
                 home, best, improved = trial, plan, True
     return best
 
 
-def _plan_homes(seq_len: np.ndarray, layout: BucketedLayout, home: np.ndarray) -> BucketedPlan:
-    """The passes when group g starts in bucket home[g] (steps 2 and 3 of the module docstring)."""
+def _plan_homes(seq_len: np.ndarray, layout: BucketedLayout, home: np.ndarray, order: np.ndarray) -> BucketedPlan:
+    """The passes when group g starts in bucket home[g], groups taken in ``order`` (steps 2 and 3
+    of the module docstring)."""
     G, N = layout.group_size, layout.num_groups * layout.group_size
     groups = seq_len.reshape(layout.num_groups, G)
-    pending = [[int(g) for g in np.flatnonzero(home == b)] for b in range(len(layout.buckets))]
+    pending = [[int(g) for g in order if home[g] == b] for b in range(len(layout.buckets))]
     per_pass = layout.num_microbatches
     sample_pass, row, start = (np.zeros(N, np.int64) for _ in range(3))
     pass_bucket: list[int] = []
@@ -214,7 +256,7 @@ def _plan_homes(seq_len: np.ndarray, layout: BucketedLayout, home: np.ndarray) -
         if not pending[b]:
             continue
         bucket = layout.buckets[b]
-        cursor = _Cursor(bucket)
+        cursor = _FirstFit(bucket)
         placed: list[tuple[int, list[tuple[int, int, int]]]] = []  # (group, [(mb, row, col)])
         for g in pending[b]:
             spots = _place_group(cursor, groups[g], None)

@@ -103,10 +103,10 @@ def timing(reps: int) -> None:
     model.init_weights(torch.Generator().manual_seed(0))
     pl, L = lengths("bench", groups, G, Gw, 0)
     arrays = arrays_of(pl, L, Pw, Gw, cfg.vocab_size)
-    print(f"\nbench lengths, model hidden 128 x 4 layers, budget 4 x {Pw + Gw}; real tokens {(pl + L).sum()}")
+    print(f"\nbench lengths, model hidden 128 x 4 layers, budget 8 x {Pw + Gw}; real tokens {(pl + L).sum()}")
     batches = {name: build_global_batch(arrays, "token-mean", 0, lay)
-               for name, lay in layouts(groups, G, Pw, Gw, 4 * (Pw + Gw)).items()}
-    batches["fixed"] = build_global_batch(arrays, "token-mean", 0, microbatch_layout(groups, G, Pw, Gw, 4 * (Pw + Gw),
+               for name, lay in layouts(groups, G, Pw, Gw, 8 * (Pw + Gw)).items()}
+    batches["fixed"] = build_global_batch(arrays, "token-mean", 0, microbatch_layout(groups, G, Pw, Gw, 8 * (Pw + Gw),
                                                                                       False))
     _seconds(model, batches["buckets"])  # warm-up
     times = {k: [] for k in batches}
@@ -135,7 +135,7 @@ def pipeline_timing(reps: int) -> None:
     arrays = arrays_of(pl, L, Pw, Gw, cfg.vocab_size)
     print("\n2-rank 1F1B pipeline, same step; step_seconds = slowest rank, min over reps")
     print("| variant | passes | microbatches / DP rank | step s |\n| --- | --- | --- | --- |")
-    for name, lay in layouts(groups, G, Pw, Gw, 4 * (Pw + Gw)).items():
+    for name, lay in layouts(groups, G, Pw, Gw, 8 * (Pw + Gw)).items():
         batch = build_global_batch(arrays, "token-mean", 0, lay)
         setup = TrainSetup(model=cfg, pipeline_parallel_size=2, num_microbatches=lay.num_microbatches,
                            schedule="1f1b", timeout_s=300)

@@ -94,9 +94,10 @@ class TrainSetup:
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one rank measured in one pass: loss metrics (ranks holding the last stage), grad_norm
+    """What one rank measured in one call: loss metrics (ranks holding the last stage), grad_norm
     (train_step), bubble_fraction, step_seconds, activation_bytes_per_microbatch_stage{i} and
-    peak_inflight_stage{i} (training passes); its actions; the step window (time.time_ns)."""
+    peak_inflight_stage{i}, train_passes and train_token_slots_per_real_token (training calls;
+    stages/train/buckets.py); its actions; the step window (time.time_ns)."""
 
     rank: int
     metrics: dict[str, float]

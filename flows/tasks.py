@@ -233,9 +233,9 @@ def reference_task(cfg: GRPOConfig, ref: StepRef, *deps) -> dict[str, float]:
     store = RolloutStore(ref.root)
     a = _read_sequences(store, ref.step)
     batch = build_global_batch(a, "token-mean", engine.setup.model.pad_token_id or 0, cfg.microbatch_layout)
-    logp = engine.reference_logp(batch.input_ids, batch.target[..., 0].long(), batch.stage_kwargs())
-    if logp is not None:  # per-token [rows, T] -> per completion token [N, max_new]
-        store.write(ref.step, "ref_logp", batch.completion_values(logp))
+    logp = engine.batch_logp(batch, "reference_logp")  # every pass, as [N, max_new] in store order
+    if logp is not None:
+        store.write(ref.step, "ref_logp", logp)
     return {"reference_seconds": time.perf_counter() - t0}
 
 

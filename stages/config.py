@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from stages.layout import SCHEDULES, ModelShape, attention_bias_of, parallel_layout_error
+from stages.train.buckets import BucketedLayout, bucketed_layout, microbatches_per_pass
 from stages.train.plan import MicrobatchLayout, microbatch_layout
 
 __all__ = [
@@ -184,6 +185,13 @@ class TrainConfig:
     pack_row_tokens: Optional[int] = None
     """Packing only: slots per packed row, in [longest sequence, the budget]; unset: one row per
     microbatch (the varlen layout). Short rows keep dense attention cheap."""
+    length_buckets: Optional[list[int]] = None
+    """Row widths T_b of length buckets, e.g. [16, 32, 64] (the longest sequence S = prompt width +
+    max_new_tokens is always the last). Set: a step runs a variable number of pipeline passes, each
+    of one bucket's fixed shape (m microbatches of [budget // T_b rows, T_b], m the schedule's
+    smallest valid count >= p), a group going to the narrowest bucket holding its longest sequence;
+    gradients accumulate over the passes before one optimiser step (stages/train/buckets.py).
+    Unset: every step is one pass shaped for the worst case (every completion at max_new_tokens)."""
     logprob_chunk_tokens: Optional[int] = None
     """Set: the last stage returns hidden states and the loss applies lm_head and log-softmax to this
     many completion tokens at a time, so [tokens x vocab] logits never exist; unset: full logits."""
@@ -211,6 +219,12 @@ class TrainConfig:
         for key in ("max_tokens_per_microbatch", "pack_row_tokens", "logprob_chunk_tokens"):
             value = getattr(self, key)
             _require(value is None or value >= 1, f"train.{key}={value} must be >= 1 (or unset)")
+        _require(self.length_buckets is None or (len(self.length_buckets) >= 1
+                                                 and all(w >= 2 for w in self.length_buckets)),
+                 f"train.length_buckets={self.length_buckets} must list row widths >= 2 (or be unset)")
+        _require(self.length_buckets is None or self.pack_row_tokens is None,
+                 "train.pack_row_tokens is set with train.length_buckets: packed rows take the bucket widths; "
+                 "unset one of them")
         _require(self.packing or self.pack_row_tokens is None,
                  f"train.pack_row_tokens={self.pack_row_tokens} is set but train.packing=false: "
                  "set train.packing=true or unset it")
@@ -291,13 +305,19 @@ class GRPOConfig:
         return self.task.prompts_per_step * self.rollout.group_size
 
     @property
-    def microbatch_layout(self) -> MicrobatchLayout:
+    def microbatch_layout(self) -> MicrobatchLayout | BucketedLayout:
         """The fixed shape and count of every step's microbatches (stages/train/plan.py):
         budget B = train.max_tokens_per_microbatch or micro_batch_size x S, S = prompt width +
-        max_new_tokens; M = the worst case's count, a multiple of data_parallel_size."""
+        max_new_tokens; M = the worst case's count, a multiple of data_parallel_size. With
+        train.length_buckets: the buckets' shapes, M = one pass (stages/train/buckets.py)."""
         t = self.train
         width, new = self.task.prompt_width, self.rollout.max_new_tokens
         budget = t.max_tokens_per_microbatch or t.micro_batch_size * (width + new)
+        if t.length_buckets is not None:
+            m = microbatches_per_pass(t.schedule, t.pipeline_model_parallel_size,
+                                      t.virtual_pipeline_model_parallel_size)
+            return bucketed_layout(self.task.prompts_per_step, self.rollout.group_size, width, new, budget,
+                                   t.length_buckets, t.packing, m, t.data_parallel_size)
         return microbatch_layout(self.task.prompts_per_step, self.rollout.group_size, width, new, budget,
                                  t.packing, t.pack_row_tokens, t.data_parallel_size)
 

@@ -6,9 +6,11 @@ prompt_len + j, so the loss covers positions [prompt_len - 1, prompt_len - 1 + l
 
 Where the sequences go is the microbatch plan (stages/train/plan.py): the global batch is
 num_microbatches x [rows, seq_len] slots, every step the same shape; unplanned, it is one row per
-sample, right-padded to prompt_width + max_new_tokens. Packed rows carry ``doc_ids`` (the sample
-index; -1 on padding) and ``positions`` restarting at 0 per sequence, handed to every pipeline
-stage through :meth:`GlobalBatch.stage_kwargs`.
+sample, right-padded to prompt_width + max_new_tokens. With length buckets
+(stages/train/buckets.py) the step is a :class:`BucketedBatch`: a variable number of passes, each
+a :class:`GlobalBatch` of one bucket's fixed shape holding a subset of the samples. Packed rows
+carry ``doc_ids`` (the sample index; -1 on padding) and ``positions`` restarting at 0 per
+sequence, handed to every pipeline stage through :meth:`GlobalBatch.stage_kwargs`.
 
 The weight channel carries the aggregation's denominator over the *whole* global batch:
 - token-mean:              w = 1 / (completion tokens in the batch)
@@ -29,10 +31,11 @@ import numpy as np
 import torch
 
 from stages.advantage import trained_samples
+from stages.train.buckets import BucketedLayout, BucketedPlan, plan_passes
 from stages.train.loss import TARGET_FIELDS
 from stages.train.plan import MicrobatchLayout, MicrobatchPlan, plan_microbatches
 
-__all__ = ["GlobalBatch", "build_global_batch", "aggregation_weights", "PAD_DOC_ID"]
+__all__ = ["GlobalBatch", "BucketedBatch", "build_global_batch", "aggregation_weights", "PAD_DOC_ID"]
 
 PAD_DOC_ID = -1  # padding slots form a document of their own: they attend only to padding
 
@@ -52,10 +55,26 @@ class GlobalBatch:
     length: Optional[np.ndarray] = None  # [N]: completion tokens of sample i
     max_new_tokens: int = 0  # Gw, the stored completion width
     plan: Optional[MicrobatchPlan] = None  # None: one padded row per sample, in store order
+    num_microbatches: Optional[int] = None
+    """Bucketed passes: microbatches of this pass over all data-parallel ranks (D x m); None: the
+    run's fixed count (the engine's TrainSetup.num_microbatches per data-parallel rank)."""
+    samples: Optional[np.ndarray] = None  # bucketed passes: [n] store indices of the samples held
+    num_real_tokens: int = 0  # prompt + completion tokens of the samples held
 
     @property
     def num_samples(self) -> int:
         return int(len(self.length)) if self.length is not None else int(self.input_ids.shape[0])
+
+    @property
+    def passes(self) -> tuple["GlobalBatch", ...]:
+        """The pipeline passes of the step: this batch alone."""
+        return (self,)
+
+    @property
+    def slots_per_real_token(self) -> float:
+        """train_token_slots_per_real_token (stages/train/buckets.py): every slot of the batch over
+        prompt + completion tokens."""
+        return self.input_ids.numel() / max(self.num_real_tokens, 1)
 
     def stage_kwargs(self) -> dict[str, torch.Tensor]:
         """Keyword tensors for every pipeline stage's forward, split on dim 0 like input_ids:
@@ -94,9 +113,36 @@ def aggregation_weights(length: np.ndarray, max_new_tokens: int, mode: str,
     return np.where(trained, w, 0.0)
 
 
+@dataclass(frozen=True, eq=False)
+class BucketedBatch:
+    """One step as a variable number of pipeline passes of fixed bucket shapes; the gradients of
+    all passes accumulate before one optimiser step (every loss weight is global, so it is exact)."""
+
+    passes: tuple[GlobalBatch, ...]
+    plan: BucketedPlan
+    num_tokens: int  # completion tokens of the step
+    max_new_tokens: int
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.plan.seq_len)
+
+    @property
+    def slots_per_real_token(self) -> float:
+        return self.plan.slots_per_real_token
+
+    def completion_values(self, values: list) -> np.ndarray:
+        """Per-pass per-token outputs ([rows_p, T_p] each, in pass order) back in store order [N, Gw]."""
+        out = np.zeros((self.num_samples, self.max_new_tokens), np.float32)
+        for p, v in zip(self.passes, values, strict=True):
+            out[p.samples] = p.completion_values(v)
+        return out
+
+
 def build_global_batch(arrays: dict[str, np.ndarray], mode: str, pad_id: int,
-                       layout: Optional[MicrobatchLayout] = None, reward_failed: Optional[np.ndarray] = None,
-                       group_size: Optional[int] = None) -> GlobalBatch:
+                       layout: Optional[MicrobatchLayout | BucketedLayout] = None,
+                       reward_failed: Optional[np.ndarray] = None,
+                       group_size: Optional[int] = None) -> GlobalBatch | BucketedBatch:
     """arrays: prompt_ids [N, Pw], prompt_len [N], tokens [N, Gw], length [N], behav_logp [N, Gw],
     ref_logp [N, Gw], advantage [N] (as stored in the rollout store), and optionally prox_logp
     [N, Gw] (the proximal policy of decoupled PPO; absent: behav_logp, i.e. on-policy).
@@ -104,9 +150,13 @@ def build_global_batch(arrays: dict[str, np.ndarray], mode: str, pad_id: int,
     reward_failed: [N] bool, with group_size (samples of a group are contiguous): failed samples and
     groups left with < 2 valid samples are not trained on (mask 0, weight 0). None: all are.
 
-    layout: the run's fixed microbatch layout (plan.microbatch_layout); None gives one padded row
-    per sample in store order, [N, Pw + Gw].
+    layout: the run's fixed microbatch layout (plan.microbatch_layout), or its length buckets
+    (buckets.bucketed_layout, giving a BucketedBatch); None gives one padded row per sample in store
+    order, [N, Pw + Gw].
     """
+    trained = _trained(reward_failed, group_size)
+    if isinstance(layout, BucketedLayout):
+        return _build_bucketed(arrays, mode, pad_id, layout, trained)
     prompt_ids, prompt_len = arrays["prompt_ids"], arrays["prompt_len"].astype(np.int64)
     tokens, length = arrays["tokens"], arrays["length"].astype(np.int64)
     N, Pw = prompt_ids.shape
@@ -124,20 +174,40 @@ def build_global_batch(arrays: dict[str, np.ndarray], mode: str, pad_id: int,
                              f"stores prompt width {Pw} + max_new_tokens {Gw} = {Pw + Gw}")
         plan = plan_microbatches(seq_len, layout)
         rows, T, row, start = layout.total_rows, layout.seq_len, plan.row, plan.start
+    weights = aggregation_weights(length, Gw, mode, trained)
+    ids, target, doc, pos = _fill_rows(arrays, np.arange(N), row, start, rows, T, weights, pad_id, trained)
+    packed = layout is not None and layout.packing
+    return GlobalBatch(
+        torch.from_numpy(ids), torch.from_numpy(target), int(length.sum()),
+        positions=torch.from_numpy(pos) if packed else None,
+        doc_ids=torch.from_numpy(doc) if packed else None,
+        sample_row=row, sample_col=start + prompt_len - 1, length=length, max_new_tokens=Gw, plan=plan,
+        num_real_tokens=int(seq_len.sum()))
+
+
+def _trained(reward_failed: Optional[np.ndarray], group_size: Optional[int]) -> Optional[np.ndarray]:
+    """[N] bool: samples the loss trains on (stages/advantage.py:trained_samples); None: all."""
+    if reward_failed is None:
+        return None
+    if group_size is None:
+        raise ValueError("build_global_batch(reward_failed=...) needs group_size (rollout.group_size)")
+    return trained_samples(~np.asarray(reward_failed, dtype=bool), group_size)
+
+
+def _fill_rows(arrays: dict[str, np.ndarray], samples: np.ndarray, row: np.ndarray, start: np.ndarray,
+               rows: int, T: int, weights: np.ndarray, pad_id: int, trained: Optional[np.ndarray]):
+    """Token ids, target, doc ids and positions [rows, T] holding ``samples`` (store indices) at
+    (row[k], start[k]); ``weights`` [N] are the global-batch token weights; ``trained`` [N] masks
+    samples out of the loss (None: none)."""
+    prompt_ids, prompt_len = arrays["prompt_ids"], arrays["prompt_len"].astype(np.int64)
+    tokens, length = arrays["tokens"], arrays["length"].astype(np.int64)
     ids = np.full((rows, T), pad_id, dtype=np.int64)
     target = np.zeros((rows, T, len(TARGET_FIELDS)), dtype=np.float32)
     doc = np.full((rows, T), PAD_DOC_ID, dtype=np.int64)
     pos = np.zeros((rows, T), dtype=np.int64)
-    if reward_failed is None:
-        trained = None
-    elif group_size is None:
-        raise ValueError("build_global_batch(reward_failed=...) needs group_size (rollout.group_size)")
-    else:
-        trained = trained_samples(~np.asarray(reward_failed, dtype=bool), group_size)
-    weights = aggregation_weights(length, Gw, mode, trained)
     prox_logp = arrays.get("prox_logp", arrays["behav_logp"])
-    for i in range(N):
-        r, s, p, n = int(row[i]), int(start[i]), int(prompt_len[i]), int(length[i])
+    for k, i in enumerate(samples):
+        r, s, p, n = int(row[k]), int(start[k]), int(prompt_len[i]), int(length[i])
         ids[r, s:s + p] = prompt_ids[i, :p]
         ids[r, s + p:s + p + n] = tokens[i, :n]
         doc[r, s:s + p + n] = i
@@ -151,9 +221,33 @@ def build_global_batch(arrays: dict[str, np.ndarray], mode: str, pad_id: int,
         target[r, at, 5] = weights[i]
         target[r, at, 6] = prox_logp[i, :n]
         target[r, at, 7] = i
-    packed = layout is not None and layout.packing
-    return GlobalBatch(
-        torch.from_numpy(ids), torch.from_numpy(target), int(length.sum()),
-        positions=torch.from_numpy(pos) if packed else None,
-        doc_ids=torch.from_numpy(doc) if packed else None,
-        sample_row=row, sample_col=start + prompt_len - 1, length=length, max_new_tokens=Gw, plan=plan)
+    return ids, target, doc, pos
+
+
+def _build_bucketed(arrays: dict[str, np.ndarray], mode: str, pad_id: int, layout: BucketedLayout,
+                    trained: Optional[np.ndarray]) -> BucketedBatch:
+    prompt_len, length = arrays["prompt_len"].astype(np.int64), arrays["length"].astype(np.int64)
+    Pw, Gw = arrays["prompt_ids"].shape[1], arrays["tokens"].shape[1]
+    if layout.max_seq_len != Pw + Gw:
+        raise ValueError(f"the buckets are for sequences of up to {layout.max_seq_len} tokens, the step "
+                         f"stores prompt width {Pw} + max_new_tokens {Gw} = {Pw + Gw}")
+    if len(prompt_len) and prompt_len.min() < 1:
+        raise ValueError(f"sample {int(np.argmin(prompt_len))} has an empty prompt; every prompt holds "
+                         f">= 1 token (BOS)")
+    plan = plan_passes(prompt_len + length, layout)
+    weights = aggregation_weights(length, Gw, mode, trained)  # over the whole step: every pass a partial sum
+    passes = []
+    for p, b in enumerate(plan.pass_bucket):
+        bucket = layout.buckets[b]
+        samples = np.flatnonzero(plan.sample_pass == p)
+        row, start = plan.row[samples], plan.start[samples]
+        ids, target, doc, pos = _fill_rows(arrays, samples, row, start, bucket.total_rows, bucket.seq_len,
+                                           weights, pad_id, trained)
+        passes.append(GlobalBatch(
+            torch.from_numpy(ids), torch.from_numpy(target), int(length[samples].sum()),
+            positions=torch.from_numpy(pos) if layout.packing else None,
+            doc_ids=torch.from_numpy(doc) if layout.packing else None,
+            sample_row=row, sample_col=start + prompt_len[samples] - 1, length=length[samples], max_new_tokens=Gw,
+            num_microbatches=bucket.num_microbatches, samples=samples,
+            num_real_tokens=int((prompt_len + length)[samples].sum())))
+    return BucketedBatch(tuple(passes), plan, int(length.sum()), Gw)

@@ -14,6 +14,11 @@ Gradients are exact, i.e. equal to the single-process full-batch gradient, whate
 - the clip norm counts every weight once: TP shards once each, replicated weights on TP rank 0,
   one DP replica, one copy of a tied embedding.
 
+A step may be several pipeline passes (length buckets, stages/train/buckets.py): each pass shape
+[m microbatches of rows x T] gets its own stages and schedule, built at its first use and cached
+(the modules are shared), so no schedule ever sees a new shape; the passes' gradients accumulate
+before the one optimiser step, exact since every loss weight is global.
+
 Every distributed wait is bounded by ``timeout_s``; a failing rank or disagreeing inputs end the
 call on every rank with an error naming the rank and the cause (stages/train/faults.py).
 """
@@ -25,14 +30,16 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from stages.policy import DecoderConfig, build_stage, hf_named_parameters, load_hf_state, stage_hf_names
+from stages.train.batch import BucketedBatch
 from stages.train.faults import (InjectedFault, InputMismatchError, StepGuard, TrainInputError, TrainStepError,
-                                 signature_of)
+                                 passes_signature)
 from stages.train.layout import ParallelLayout, schedule_error
 from stages.train.loss import LossConfig, LossStats, grpo_microbatch_loss, make_chunked_loss
 from stages.train.mesh import init_rank_groups
@@ -87,9 +94,10 @@ class TrainSetup:
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one rank measured in one pass: loss metrics (ranks holding the last stage), grad_norm
+    """What one rank measured in one call: loss metrics (ranks holding the last stage), grad_norm
     (train_step), bubble_fraction, step_seconds, activation_bytes_per_microbatch_stage{i} and
-    peak_inflight_stage{i} (training passes); its actions; the step window (time.time_ns)."""
+    peak_inflight_stage{i}, train_passes and train_token_slots_per_real_token (training calls;
+    stages/train/buckets.py); its actions; the step window (time.time_ns)."""
 
     rank: int
     metrics: dict[str, float]
@@ -113,8 +121,12 @@ class TrainRank:
         self._stats: list[LossStats] = []
         self.stages = [self._stage(m, s, self.timeline) for m, s in zip(self.modules, self.stage_ids)]
         self.schedule = build_train_schedule(setup.schedule, self.stages, setup.num_microbatches, self._loss_fn())
-        self.ref_schedule = self._forward_only(self.reference)
-        self.prox_schedule = self._forward_only(self.modules)
+        self.ref_schedule = self._forward_only(self.reference, setup.num_microbatches)
+        self.prox_schedule = self._forward_only(self.modules, setup.num_microbatches)
+        # pass key -> schedule: the run's fixed layout under "train" / "reference_logp" / ...,
+        # each length bucket's shape under its own key (built at first use, the same on every rank)
+        self._schedules: dict[str, object] = {"train": self.schedule, "reference_logp": self.ref_schedule,
+                                              "proximal_logp": self.prox_schedule}
         self.params = unique_parameters(self.modules)
         self.head_local = head_local_parameters(self.modules)  # TP sums their per-head gradient shares
         self.optimizer = torch.optim.AdamW(self.params, lr=setup.lr, weight_decay=setup.weight_decay)
@@ -138,11 +150,22 @@ class TrainRank:
         return TimedStage(module, index, self.layout.num_stages, _CPU, group=self.groups.pp, timeline=timeline,
                           before_forward=self._inject)
 
-    def _forward_only(self, modules: list[nn.Module]) -> ForwardOnlySchedule:
+    def _forward_only(self, modules: list[nn.Module], num_microbatches: int) -> ForwardOnlySchedule:
         chunk = self.setup.logprob_chunk_tokens
         stages = [self._stage(LogpStage(m, self.setup.loss.temperature, chunk), s, self.forward_timeline)
                   for m, s in zip(modules, self.stage_ids)]
-        return ForwardOnlySchedule(stages, self.setup.num_microbatches, self.layout.stage_to_rank())
+        return ForwardOnlySchedule(stages, num_microbatches, self.layout.stage_to_rank())
+
+    def _schedule_for(self, what: str, key: str, m: int):
+        """The cached schedule of pass ``key`` (built at its first use: new stages over the same modules)."""
+        if key not in self._schedules:
+            if what == "train":
+                stages = [self._stage(mod, s, self.timeline) for mod, s in zip(self.modules, self.stage_ids)]
+                self._schedules[key] = build_train_schedule(self.setup.schedule, stages, m, self._loss_fn())
+            else:
+                self._schedules[key] = self._forward_only(
+                    self.reference if what == "reference_logp" else self.modules, m)
+        return self._schedules[key]
 
     def _loss_fn(self):
         """loss_fn(output, target) of the last stage; each microbatch's LossStats go to _stats."""
@@ -180,28 +203,50 @@ class TrainRank:
                 if f.kind == "stall":
                     time.sleep(f.seconds)
 
-    def _local_inputs(self, call: int, schedule: str, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Check that every rank holds the same inputs, shaped as in ``schedule``'s first step, then
-        take this rank's data-parallel block of whole microbatches (rows [d R / D, (d + 1) R / D))."""
-        if any(f.kind == "shape" and (f.rank, f.step) == (self.rank, self._pass) for f in self.setup.faults):
-            full = {k: v[:-1] for k, v in full.items()}
-        m, D = self.setup.num_microbatches, self.layout.dp
-        signature = signature_of(m, full)
+    def _pass_inputs(self, call: int, what: str, passes: list[tuple[Optional[int], dict[str, torch.Tensor]]]
+                     ) -> list[tuple[str, int, dict[str, torch.Tensor]]]:
+        """Check that every rank holds the same passes (count, each one's microbatches and shapes),
+        each shaped as in its schedule's first step; then take this rank's data-parallel block of
+        whole microbatches of each (rows [d R / D, (d + 1) R / D)). Returns (schedule key, m per
+        data-parallel rank, local inputs) per pass. ``passes``: (global microbatches or None for the
+        run's fixed count, full inputs)."""
+        D = self.layout.dp
+        passes = self._faulty_inputs(passes)
+        ms = [self.setup.num_microbatches if mb is None else mb // D for mb, _ in passes]
+        signature, sigs = passes_signature([(m, full) for m, (_, full) in zip(ms, passes)])
+        prepared = [(mb, m, full, sig) for (mb, full), m, sig in zip(passes, ms, sigs)]
         self.guard.check_inputs(call, signature)
-        rows = int(full["input_ids"].shape[0])
-        if rows % (D * m):
-            raise TrainInputError(f"the batch has {rows} rows, which do not split into data_parallel_size x "
-                                  f"microbatches = {D} x {m} equal microbatches: change train.micro_batch_size")
-        # input_ids fixes the activations sent between stages; keyword tensors stay on each rank.
-        shape = {k: signature[k] for k in ("num_microbatches", "input_ids")}
-        first = self._shapes.setdefault(schedule, shape)
-        if shape != first:  # the same on every rank: they agree on the signature
-            changed = [f"{k} {first[k]} -> {shape[k]}" for k in shape if first[k] != shape[k]]
-            raise TrainInputError(f"{schedule}: a pipeline's shapes are fixed by its first step, and "
-                                  f"{', '.join(changed)}; keep the run's microbatch layout fixed")
-        per = rows // D
-        lo = self.coord.dp * per
-        return {k: v[lo:lo + per] for k, v in full.items()}
+        out = []
+        for global_mb, m, full, sig in prepared:
+            rows = int(full["input_ids"].shape[0])
+            if global_mb is not None and (global_mb % D or schedule_error(self.setup.schedule, self.layout.pp, m,
+                                                                           self.layout.virtual)):
+                raise TrainInputError(f"a pass of {global_mb} microbatches over data_parallel_size {D} does not "
+                                      f"run on train.schedule={self.setup.schedule}: plan the buckets with "
+                                      "buckets.microbatches_per_pass")
+            if rows % (D * m):
+                raise TrainInputError(f"the batch has {rows} rows, which do not split into data_parallel_size x "
+                                      f"microbatches = {D} x {m} equal microbatches: change train.micro_batch_size")
+            # input_ids fixes the activations sent between stages; keyword tensors stay on each rank.
+            shape = {k: sig[k] for k in ("num_microbatches", "input_ids")}
+            key = what if global_mb is None else f"{what}[{m}x{sig['input_ids']}]"
+            first = self._shapes.setdefault(key, shape)
+            if shape != first:  # the same on every rank: they agree on the signature
+                changed = [f"{k} {first[k]} -> {shape[k]}" for k in shape if first[k] != shape[k]]
+                raise TrainInputError(f"{what}: a pipeline's shapes are fixed by its first step, and "
+                                      f"{', '.join(changed)}; keep the run's microbatch layout fixed")
+            per = rows // D
+            lo = self.coord.dp * per
+            out.append((key, m, {k: v[lo:lo + per] for k, v in full.items()}))
+        return out
+
+    def _faulty_inputs(self, passes: list) -> list:
+        """Test-only input faults (InjectedFault kinds shape and passes) of this rank's current pass."""
+        kinds = {f.kind for f in self.setup.faults if (f.rank, f.step) == (self.rank, self._pass)}
+        if "shape" in kinds:
+            mb, full = passes[0]
+            passes = [(mb, {k: v[:-1] for k, v in full.items()}), *passes[1:]]
+        return passes[:-1] if "passes" in kinds and len(passes) > 1 else passes
 
     def _begin(self, what: str):
         """Number the next pass (train or forward-only) and guard it."""
@@ -226,38 +271,45 @@ class TrainRank:
             return self._forward_backward(call, batch)
 
     def _forward_backward(self, call: int, batch) -> StepResult:
-        stage_kwargs = getattr(batch, "stage_kwargs", lambda: {})()
-        local = self._local_inputs(call, "train", {"input_ids": batch.input_ids, "target": batch.target,
-                                                   **stage_kwargs})
+        passes = getattr(batch, "passes", (batch,))
+        inputs = [(getattr(p, "num_microbatches", None),
+                   {"input_ids": p.input_ids, "target": p.target, **getattr(p, "stage_kwargs", lambda: {})()})
+                  for p in passes]
+        local_passes = self._pass_inputs(call, "train", inputs)
         self.optimizer.zero_grad(set_to_none=True)
-        self._stats.clear()
         self.timeline.clear()
-        input_ids, target = local.pop("input_ids"), local.pop("target")
-        args = (input_ids,) if self.holds_first else ()
+        stats: list[LossStats] = []
         dist.barrier()  # a common start, so every rank's window measures the same step
         t0 = time.time_ns()
-        with timed_p2p():
-            self.schedule.step(*args, target=target if self.holds_last else None, return_outputs=False,
-                               **local)
+        for key, m, local in local_passes:  # gradients accumulate over the passes
+            schedule = self._schedule_for("train", key, m)
+            input_ids, target = local.pop("input_ids"), local.pop("target")
+            args = (input_ids,) if self.holds_first else ()
+            self._stats.clear()
+            with timed_p2p():
+                schedule.step(*args, target=target if self.holds_last else None, return_outputs=False, **local)
+            # A schedule's first step runs the loss once more for shape inference: keep the real ones.
+            stats += self._stats[-m:] if self.holds_last else []
         t1 = time.time_ns()
         allreduce_grads(self.params, self.groups.dp, self.setup.grad_bucket_bytes)
         if self.head_local:
             allreduce_grads(self.head_local, self.groups.tp, self.setup.grad_bucket_bytes)
         self._sum_tied_grads()
-        metrics = self._loss_metrics()
+        metrics = self._loss_metrics(stats)
         metrics["bubble_fraction"] = bubble_fraction(self.timeline.actions, t0, t1)
         metrics["step_seconds"] = (t1 - t0) / 1e9
+        metrics["train_passes"] = float(len(passes))
+        if getattr(batch, "slots_per_real_token", None) is not None:
+            metrics["train_token_slots_per_real_token"] = float(batch.slots_per_real_token)
         metrics.update(self.timeline.stash_metrics())
         return StepResult(self.rank, metrics, list(self.timeline.actions), (t0, t1))
 
-    def _loss_metrics(self) -> dict[str, float]:
+    def _loss_metrics(self, stats: list[LossStats]) -> dict[str, float]:
         """Loss metrics of the global batch (LossStats.metrics), on ranks holding the last stage."""
         if not self.holds_last:
             return {}
-        # The first step runs the loss once more for shape inference: keep the real microbatches.
-        real = self._stats[-self.setup.num_microbatches:]
         total = LossStats()
-        for s in real:
+        for s in stats:
             total.add(s)
         sums = torch.tensor(total.sums(), dtype=torch.float64)
         peak = torch.tensor([total.is_weight_max], dtype=torch.float64)
@@ -297,27 +349,45 @@ class TrainRank:
     def reference_logp(self, input_ids: torch.Tensor, next_ids: torch.Tensor,
                        stage_kwargs: Optional[dict[str, torch.Tensor]] = None) -> Optional[torch.Tensor]:
         """Per-token log-probs [rows, T] of the frozen reference, on :attr:`is_output_rank`; None elsewhere."""
-        return self._forward_logp(self.ref_schedule, "reference_logp", input_ids, next_ids, stage_kwargs)
+        out = self._forward_logp("reference_logp", [(None, input_ids, next_ids, stage_kwargs or {})])
+        return None if out is None else out[0]
 
     def proximal_logp(self, input_ids: torch.Tensor, next_ids: torch.Tensor,
                       stage_kwargs: Optional[dict[str, torch.Tensor]] = None) -> Optional[torch.Tensor]:
         """Per-token log-probs [rows, T] of the current (trainable) weights, no gradients kept."""
-        return self._forward_logp(self.prox_schedule, "proximal_logp", input_ids, next_ids, stage_kwargs)
+        out = self._forward_logp("proximal_logp", [(None, input_ids, next_ids, stage_kwargs or {})])
+        return None if out is None else out[0]
+
+    def batch_logp(self, batch, what: str = "reference_logp") -> Optional[np.ndarray]:
+        """Per completion token log-probs [N, max_new_tokens] in store order of a step's batch (every
+        pass of a bucketed one) under the reference (``reference_logp``) or the current weights
+        (``proximal_logp``), on :attr:`is_output_rank`; None elsewhere."""
+        if what not in ("reference_logp", "proximal_logp"):
+            raise ValueError(f"what={what!r} must be reference_logp or proximal_logp")
+        passes = getattr(batch, "passes", (batch,))
+        outs = self._forward_logp(what, [(getattr(p, "num_microbatches", None), p.input_ids,
+                                          p.target[..., 0].long(), p.stage_kwargs()) for p in passes])
+        if outs is None:
+            return None
+        return batch.completion_values(outs if isinstance(batch, BucketedBatch) else outs[0])
 
     @torch.no_grad()
-    def _forward_logp(self, schedule: ForwardOnlySchedule, what: str, input_ids: torch.Tensor,
-                      next_ids: torch.Tensor,
-                      stage_kwargs: Optional[dict[str, torch.Tensor]]) -> Optional[torch.Tensor]:
+    def _forward_logp(self, what: str, passes: list) -> Optional[list[torch.Tensor]]:
+        """Forward-only passes (global microbatches or None, input_ids, next_ids, stage kwargs) in
+        order; their outputs on :attr:`is_output_rank`, None elsewhere."""
         call, guarded = self._begin(what)
         with guarded:
-            local = self._local_inputs(call, what, {"input_ids": input_ids, "next_ids": next_ids.long(),
-                                              **(stage_kwargs or {})})
+            inputs = [(mb, {"input_ids": ids, "next_ids": nxt.long(), **kw}) for mb, ids, nxt, kw in passes]
+            local_passes = self._pass_inputs(call, what, inputs)
             self.forward_timeline.clear()
-            input_ids = local.pop("input_ids")
-            args = (input_ids,) if self.holds_first else ()
+            outs = []
             t0 = time.time_ns()
-            with timed_p2p():
-                out = schedule.step(*args, **local)
+            for key, m, local in local_passes:
+                schedule = self._schedule_for(what, key, m)
+                input_ids = local.pop("input_ids")
+                args = (input_ids,) if self.holds_first else ()
+                with timed_p2p():
+                    outs.append(schedule.step(*args, **local))
             t1 = time.time_ns()
             metrics = {"bubble_fraction": bubble_fraction(self.forward_timeline.actions, t0, t1),
                        "step_seconds": (t1 - t0) / 1e9, **self.forward_timeline.stash_metrics()}
@@ -325,10 +395,13 @@ class TrainRank:
             if not self.holds_last:
                 return None
             if self.layout.dp > 1:
-                parts = [torch.empty_like(out) for _ in range(self.layout.dp)]
-                dist.all_gather(parts, out.contiguous(), group=self.groups.dp)
-                out = torch.cat(parts)
-            return out if self.is_output_rank else None
+                gathered = []
+                for out in outs:
+                    parts = [torch.empty_like(out) for _ in range(self.layout.dp)]
+                    dist.all_gather(parts, out.contiguous(), group=self.groups.dp)
+                    gathered.append(torch.cat(parts))
+                outs = gathered
+            return outs if self.is_output_rank else None
 
     # -- weights --------------------------------------------------------------------------------------
     def _hf_tensors(self, grads: bool) -> dict[str, torch.Tensor]:

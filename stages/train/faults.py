@@ -33,7 +33,8 @@ from typing import Iterator, Literal, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["TrainStepError", "TrainInputError", "InputMismatchError", "InjectedFault", "StepGuard", "signature_of"]
+__all__ = ["TrainStepError", "TrainInputError", "InputMismatchError", "InjectedFault", "StepGuard", "signature_of",
+           "passes_signature"]
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +58,10 @@ class InputMismatchError(TrainInputError):
 class InjectedFault:
     """Test-only: on global rank ``rank``, during its ``step``-th pass (0-based, counting training
     steps and forward-only passes), ``raise`` in the forward of ``microbatch``, ``stall`` there for
-    ``seconds``, or feed a ``shape`` one row short."""
+    ``seconds``, feed a ``shape`` one row short, or drop the last of a step's ``passes``."""
 
     rank: int
-    kind: Literal["raise", "stall", "shape"]
+    kind: Literal["raise", "stall", "shape", "passes"]
     step: int = 0
     microbatch: int = 0
     seconds: float = 0.0
@@ -72,6 +73,16 @@ def signature_of(num_microbatches: int, args: dict[str, torch.Tensor]) -> dict[s
     for name, t in sorted(args.items()):
         sig[name] = f"{tuple(t.shape)}:{str(t.dtype).removeprefix('torch.')}"
     return sig
+
+
+def passes_signature(passes: list[tuple[int, dict[str, torch.Tensor]]]) -> tuple[dict[str, str], list[dict[str, str]]]:
+    """What every rank must agree on for a call of (m, inputs) pipeline passes: their count and each
+    pass's signature_of (a single pass keeps today's plain keys); and each pass's own signature."""
+    each = [signature_of(m, args) for m, args in passes]
+    sig = {"num_passes": str(len(passes))}
+    for i, one in enumerate(each):
+        sig.update({(f"pass{i}/" if len(passes) > 1 else "") + k: v for k, v in one.items()})
+    return sig, each
 
 
 class StepGuard:

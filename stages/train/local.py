@@ -17,6 +17,7 @@ from typing import Literal, Optional, Sequence
 
 import torch
 
+from stages.train.batch import BucketedBatch
 from stages.train.engine import StepResult, TrainRank, TrainSetup
 
 __all__ = ["Call", "RankOutput", "free_port", "run_local_pipeline"]
@@ -33,7 +34,8 @@ class RankOutput:
     rank: int
     steps: list[Optional[StepResult]]  # per call; forward-only passes give engine.last_forward
     grads: list[dict[str, torch.Tensor]]  # per call, HF names (empty for forward-only / failed calls)
-    logps: list[Optional[torch.Tensor]]  # per call: forward-only output on the output rank
+    logps: list[Optional[torch.Tensor]]  # per call: forward-only output on the output rank ([rows, T];
+    # a BucketedBatch's: [N, max_new_tokens] in store order)
     errors: list[Optional[str]]  # per call: the error it raised, or None
     seconds: list[float]  # per call: wall time on this rank
     state: dict[str, torch.Tensor]  # HF-named weights after the last call (empty if the rank was aborted)
@@ -49,9 +51,12 @@ def _one_call(engine: TrainRank, call: Call, batch):
     if call in ("train", "grad"):
         step = engine.train_step(batch) if call == "train" else engine.forward_backward(batch)
         return step, engine.hf_grads(), None
+    what = "reference_logp" if call == "reference" else "proximal_logp"
+    if isinstance(batch, BucketedBatch):  # every pass, mapped back to store order [N, max_new_tokens]
+        values = engine.batch_logp(batch, what)
+        return engine.last_forward, {}, None if values is None else torch.from_numpy(values)
     logp_fn = engine.reference_logp if call == "reference" else engine.proximal_logp
-    stage_kwargs = getattr(batch, "stage_kwargs", lambda: {})()
-    logp = logp_fn(batch.input_ids, batch.target[..., 0].long(), stage_kwargs)
+    logp = logp_fn(batch.input_ids, batch.target[..., 0].long(), batch.stage_kwargs())
     return engine.last_forward, {}, logp
 
 

@@ -26,6 +26,9 @@ at most ceil(G / j) microbatches (each one it opens and closes holds >= j of its
 Microbatches the step does not need stay empty (padding, zero loss weight). Splitting a group is
 exact: advantages and every loss denominator are fixed before the pipeline runs (batch.py).
 
+With ``train.length_buckets`` a step is instead a variable number of passes of a few fixed
+shapes (stages/train/buckets.py, which places groups with this module's next-fit cursor).
+
 Pure arithmetic over lengths (numpy, no torch), shared with the config's validation.
 """
 

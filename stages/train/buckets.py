@@ -1,0 +1,286 @@
+"""Length buckets: a variable number of fixed-shape pipeline passes per optimiser step.
+
+A pipeline's shapes are fixed after its first step, so the single-layout plan (plan.py) shapes
+every row for the worst case, S = prompt width + max_new_tokens. With buckets, a run has a small
+fixed set of row widths T_1 < ... < T_n = S (``train.length_buckets``, S always last). Bucket b
+has its own fixed microbatch shape [rows_b, T_b], rows_b = B // T_b (B the token budget), and its
+own pipeline schedule, built once; the schedules share the modules. A step runs a VARIABLE number
+of passes, each one ``schedule.step`` of one bucket over D x m microbatches (m per data-parallel
+rank), and the gradients of all its passes accumulate before the one optimiser step. That is exact
+because every loss weight already carries its global-batch denominator (batch.py).
+
+Placement, a deterministic function of the stored lengths (so every rank plans the same passes):
+
+1. A group's home bucket is the narrowest with T_b >= its longest sequence (groups stay whole).
+   Then groups move up where that saves slots (a bucket holding a fraction of a pass costs a whole
+   pass; a wider row costs only its extra padding): first all groups below some bucket c into c
+   (the best c), then one bucket's groups one bucket up at a time while that still saves slots.
+2. Buckets are filled widest first. Within a bucket, its groups go into microbatches as in plan.py
+   (whole if they fit an empty microbatch, else split at sequence boundaries; packed sequences go
+   first-fit into the open microbatch's rows), and the microbatches are cut into passes of D x m.
+   Groups are taken in store order, and again longest first; the plan with fewer slots is kept.
+3. The bucket's last pass is usually part-empty: before moving on, whole groups of narrower
+   buckets (widest first, in the same group order) move into its free room, so each step leaves at
+   most one part-empty pass per bucket that still has groups of its own.
+
+m per pass: the smallest m >= p (pipeline ranks) that the schedule accepts (layout.schedule_error:
+1F1B m >= p, interleaved m a multiple of its rounds, DualPipeV m >= 2p), the same for every bucket.
+A smaller m leaves fewer empty microbatches in a bucket's last pass; m < p would leave pipeline
+ranks idle for the whole pass without saving a slot. The price is a fill and drain bubble per pass.
+
+The metric ``train_token_slots_per_real_token`` is slots run through the pipeline (every pass, every
+microbatch, padding and empty microbatches included, over all data-parallel ranks) divided by real
+tokens (prompt + completion tokens of every sample): 1.0 means no padding at all.
+
+Pure arithmetic over lengths (numpy, no torch).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from stages.train.layout import schedule_error
+from stages.train.plan import MicrobatchLayout, _Cursor
+
+__all__ = ["BucketedLayout", "BucketedPlan", "bucketed_layout", "plan_passes", "microbatches_per_pass",
+           "power_of_two_widths"]
+
+
+@dataclass(frozen=True)
+class BucketedLayout:
+    """The fixed shapes of a run's passes: one microbatch layout per bucket (ascending width)."""
+
+    buckets: tuple[MicrobatchLayout, ...]
+    """Bucket b: microbatches of [rows_b, T_b]; its num_microbatches is one pass, D x m."""
+    microbatches_per_pass: int
+    """m: microbatches per data-parallel rank in every pass (the schedules' microbatch count)."""
+    data_parallel_size: int
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        return tuple(b.seq_len for b in self.buckets)
+
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatches of one pass over all data-parallel ranks, D x m."""
+        return self.data_parallel_size * self.microbatches_per_pass
+
+    @property
+    def group_size(self) -> int:
+        return self.buckets[-1].group_size
+
+    @property
+    def num_groups(self) -> int:
+        return self.buckets[-1].num_groups
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.buckets[-1].max_seq_len
+
+    @property
+    def packing(self) -> bool:
+        return self.buckets[-1].packing
+
+
+def power_of_two_widths(max_seq_len: int, smallest: int = 8) -> tuple[int, ...]:
+    """8, 16, 32, ... below ``max_seq_len``, then ``max_seq_len``: a default bucket set."""
+    out, w = [], smallest
+    while w < max_seq_len:
+        out.append(w)
+        w *= 2
+    return (*out, max_seq_len)
+
+
+def microbatches_per_pass(schedule: str, pp: int, virtual: int) -> int:
+    """The smallest m >= pp that ``schedule`` runs on pp ranks x ``virtual`` stages (module docstring)."""
+    m = pp
+    while schedule_error(schedule, pp, m, virtual) is not None:
+        m += 1
+        if m > 64 * pp:  # schedule_error rejects the schedule itself, whatever m
+            raise ValueError(schedule_error(schedule, pp, pp, virtual))
+    return m
+
+
+def bucketed_layout(num_groups: int, group_size: int, prompt_width: int, max_new_tokens: int,
+                    max_tokens_per_microbatch: int, widths: Sequence[int], packing: bool,
+                    microbatches: int, data_parallel_size: int = 1) -> BucketedLayout:
+    """Buckets of the given row widths (those below S kept, S added) under a budget of B slots per
+    microbatch, ``microbatches`` (m) per data-parallel rank and pass. Raises ValueError naming the key."""
+    S = prompt_width + max_new_tokens
+    B = max_tokens_per_microbatch
+    if B < S:
+        raise ValueError(f"train.max_tokens_per_microbatch={B} is below the longest sequence "
+                         f"(prompt width {prompt_width} + rollout.max_new_tokens {max_new_tokens} = {S}): "
+                         f"raise it to at least {S}")
+    if any(w < 2 for w in widths):
+        raise ValueError(f"train.length_buckets={list(widths)} must hold row widths >= 2 tokens (a prompt "
+                         "token and a completion token)")
+    if num_groups < 1 or group_size < 1 or microbatches < 1 or data_parallel_size < 1:
+        raise ValueError(f"a step needs >= 1 group of >= 1 sample, >= 1 microbatch per pass on >= 1 replica, got "
+                         f"{num_groups} x {group_size}, m={microbatches}, D={data_parallel_size}")
+    kept = sorted({int(w) for w in widths if w < S} | {S})
+    per_pass = data_parallel_size * microbatches
+    buckets = tuple(MicrobatchLayout(per_pass, B // w, w, group_size, num_groups, w, packing) for w in kept)
+    return BucketedLayout(buckets, microbatches, data_parallel_size)
+
+
+@dataclass(frozen=True, eq=False)
+class BucketedPlan:
+    """Where every sample sits: pass ``sample_pass[i]`` (of bucket ``pass_bucket[p]``), global row
+    ``row[i]`` of that pass (= microbatch within the pass x rows_b + row), columns from ``start[i]``."""
+
+    layout: BucketedLayout
+    pass_bucket: tuple[int, ...]  # [P] bucket of each pass, in run order
+    sample_pass: np.ndarray  # [N] int64
+    row: np.ndarray  # [N] int64
+    start: np.ndarray  # [N] int64
+    seq_len: np.ndarray  # [N] int64
+    split_groups: tuple[int, ...] = ()
+
+    @property
+    def num_passes(self) -> int:
+        return len(self.pass_bucket)
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots run through the pipeline over all passes (padding and empty microbatches too)."""
+        return sum(self.layout.buckets[b].num_microbatches * self.layout.buckets[b].tokens_per_microbatch
+                   for b in self.pass_bucket)
+
+    @property
+    def slots_per_real_token(self) -> float:
+        """train_token_slots_per_real_token: slots / (prompt + completion tokens of every sample)."""
+        return self.num_slots / max(int(self.seq_len.sum()), 1)
+
+
+class _FirstFit(_Cursor):
+    """Packed rows: a sequence goes into the first row of the open microbatch with room for it
+    (first-fit), not only the last one (next-fit); padded rows are the same either way."""
+
+    def __init__(self, layout: MicrobatchLayout):
+        super().__init__(layout)
+        self.fill: list[int] = []  # tokens used in each row of the open microbatch
+
+    def fit(self, lengths: np.ndarray, fresh: bool = False) -> Optional[list[tuple[int, int]]]:
+        L = self.layout
+        if not L.packing:
+            return super().fit(lengths, fresh)
+        if self.mb < 0 and not fresh:
+            return None
+        fill = [0] * L.rows if fresh else list(self.fill)
+        out = []
+        for n in lengths:
+            r = next((r for r, used in enumerate(fill) if used + int(n) <= L.seq_len), None)
+            if r is None:
+                return None
+            out.append((r, fill[r]))
+            fill[r] += int(n)
+        return out
+
+    def commit(self, spots: list[tuple[int, int]], lengths: np.ndarray, fresh: bool) -> list[tuple[int, int, int]]:
+        if fresh:
+            self.fill = [0] * self.layout.rows
+        for (r, _), n in zip(spots, lengths):
+            self.fill[r] += int(n)
+        return super().commit(spots, lengths, fresh)
+
+
+def _place_group(cursor: _Cursor, lengths: np.ndarray, limit: Optional[int]) -> Optional[list[tuple[int, int, int]]]:
+    """Place a whole group next-fit (open microbatch, else a fresh one below ``limit`` microbatches);
+    None if it fits neither."""
+    spots = cursor.fit(lengths)
+    if spots is not None:
+        return cursor.commit(spots, lengths, fresh=False)
+    if limit is not None and cursor.mb + 1 >= limit:
+        return None
+    spots = cursor.fit(lengths, fresh=True)
+    return None if spots is None else cursor.commit(spots, lengths, fresh=True)
+
+
+def plan_passes(seq_len: np.ndarray, layout: BucketedLayout) -> BucketedPlan:
+    """Place sequences (seq_len: [N] tokens each, groups of G contiguous) into bucketed passes."""
+    seq_len = np.asarray(seq_len, dtype=np.int64)
+    G, N = layout.group_size, layout.num_groups * layout.group_size
+    if seq_len.shape != (N,):
+        raise ValueError(f"the step holds {seq_len.shape[0]} samples; the layout was made for "
+                         f"{layout.num_groups} groups x {G} = {N}")
+    if N and (seq_len.min() < 1 or seq_len.max() > layout.max_seq_len):
+        raise ValueError(f"sequence lengths must lie in [1, {layout.max_seq_len}] (prompt width + "
+                         f"max_new_tokens), got [{seq_len.min()}, {seq_len.max()}]")
+    groups = seq_len.reshape(-1, G)
+    home = np.searchsorted(np.asarray(layout.widths), groups.max(axis=1))  # narrowest T_b >= longest
+    store_order = np.arange(layout.num_groups)
+    longest_first = np.argsort(-groups.sum(axis=1), kind="stable")
+    plans = [_search(seq_len, layout, home, order) for order in (store_order, longest_first)]
+    return min(plans, key=lambda p: p.num_slots)  # a tie keeps store order
+
+
+def _search(seq_len: np.ndarray, layout: BucketedLayout, home: np.ndarray, order: np.ndarray) -> BucketedPlan:
+    """Candidates: groups below bucket c all moved up to c (c = 0: every group at home); the best,
+    then single buckets moved up one while that saves slots. Ties keep the narrower placement."""
+    best = None
+    for c in range(len(layout.buckets)):
+        trial = np.maximum(home, c)
+        plan = _plan_homes(seq_len, layout, trial, order)
+        if best is None or plan.num_slots < best.num_slots:
+            best, chosen = plan, trial
+    home = chosen
+    improved = True
+    while improved:  # move a whole bucket's groups one bucket up while that saves slots
+        improved = False
+        for b in range(len(layout.buckets) - 1):
+            if not (home == b).any():
+                continue
+            trial = np.where(home == b, b + 1, home)
+            plan = _plan_homes(seq_len, layout, trial, order)
+            if plan.num_slots < best.num_slots:
+                home, best, improved = trial, plan, True
+    return best
+
+
+def _plan_homes(seq_len: np.ndarray, layout: BucketedLayout, home: np.ndarray, order: np.ndarray) -> BucketedPlan:
+    """The passes when group g starts in bucket home[g], groups taken in ``order`` (steps 2 and 3
+    of the module docstring)."""
+    G, N = layout.group_size, layout.num_groups * layout.group_size
+    groups = seq_len.reshape(layout.num_groups, G)
+    pending = [[int(g) for g in order if home[g] == b] for b in range(len(layout.buckets))]
+    per_pass = layout.num_microbatches
+    sample_pass, row, start = (np.zeros(N, np.int64) for _ in range(3))
+    pass_bucket: list[int] = []
+    split: list[int] = []
+    for b in reversed(range(len(layout.buckets))):
+        if not pending[b]:
+            continue
+        bucket = layout.buckets[b]
+        cursor = _FirstFit(bucket)
+        placed: list[tuple[int, list[tuple[int, int, int]]]] = []  # (group, [(mb, row, col)])
+        for g in pending[b]:
+            spots = _place_group(cursor, groups[g], None)
+            if spots is None:  # fits no empty microbatch: sequence by sequence, next-fit
+                split.append(g)
+                spots = []
+                for n in groups[g][:, None]:
+                    spot = cursor.fit(n)
+                    fresh = spot is None
+                    spots += cursor.commit(spot or cursor.fit(n, fresh=True), n, fresh=fresh)
+            placed.append((g, spots))
+        num_passes = math.ceil((cursor.mb + 1) / per_pass)
+        for c in reversed(range(b)):  # fill the last pass's free room with narrower groups
+            for g in list(pending[c]):
+                spots = _place_group(cursor, groups[g], num_passes * per_pass)
+                if spots is not None:
+                    placed.append((g, spots))
+                    pending[c].remove(g)
+        first = len(pass_bucket)
+        pass_bucket += [b] * num_passes
+        for g, spots in placed:
+            for k, (mb, r, col) in enumerate(spots):
+                i = g * G + k
+                sample_pass[i] = first + mb // per_pass
+                row[i] = (mb % per_pass) * bucket.rows + r
+                start[i] = col
+    return BucketedPlan(layout, tuple(pass_bucket), sample_pass, row, start, seq_len, tuple(split))

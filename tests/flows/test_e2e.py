@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import transformers  # a test dependency: the published policy must load into it
 
 from flows.config import load_config
 from flows.loop import run
@@ -76,7 +77,6 @@ def test_mlflow_lineage(finished_run):
 
 
 def test_published_policy_loads_into_transformers(finished_run):
-    transformers = pytest.importorskip("transformers")
     _, summary, run_dir = finished_run
     path = Path(summary.policy_path)
     assert path == run_dir.resolve() / "policy" / "v2"

@@ -71,7 +71,9 @@ def tracking_uri(cfg: GRPOConfig) -> str:
 def _init_ranks(client, cfg: GRPOConfig, pools: Pools, policy: PolicyRef) -> None:
     # One training rank per train worker: pp x dp x tp global ranks, each deriving its mesh
     # coordinate from its rank (stages/train/layout.py). The rendezvous listens on rank 0's host,
-    # on a port free there.
+    # on a port free there. Every worker imports the engine first, so the rendezvous's
+    # train.timeout_s bounds the rendezvous only, not a cold torch import on a loaded host.
+    client.run(tasks.worker_ready, workers=list(pools.train))
     port = client.submit(free_port, workers=[pools.train[0]], pure=False).result()
     init_method = f"tcp://{pools.train_host}:{port}"
     futures = [client.submit(tasks.init_train_rank, cfg, r, init_method, policy, workers=[w],

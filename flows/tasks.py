@@ -29,7 +29,7 @@ from storage.rollouts import RolloutStore, StepRef
 from storage.run_folder import RunFolder
 
 __all__ = [
-    "TRAIN_FAULT_ENV", "make_base_policy", "init_train_rank", "shutdown_train_rank", "mark_stage_complete",
+    "TRAIN_FAULT_ENV", "worker_ready", "make_base_policy", "init_train_rank", "shutdown_train_rank", "mark_stage_complete",
     "rollout_task", "score_task", "reference_task", "advantage_task", "train_task", "publish_task",
 ]
 
@@ -41,6 +41,12 @@ _CODECS: dict[str, TextCodec] = {}
 
 def _threads() -> None:
     torch.set_num_threads(1)
+
+
+def worker_ready() -> bool:
+    """Nothing: running it makes a worker import this module (torch, the engines) ahead of use."""
+    _threads()
+    return True
 
 
 def _codec(policy_path: str) -> TextCodec:

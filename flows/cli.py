@@ -12,24 +12,23 @@ __all__ = ["main"]
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from flows.config import load_config
-    from flows.loop import format_summary, run, run_dir_of
+    from flows.loop import format_summary, run, run_folder
 
     cfg = load_config(args.config, args.overrides)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("flows").setLevel(logging.WARNING if args.quiet else logging.INFO)
     summary = run(cfg, progress=not args.quiet)
     print(format_summary(summary))
-    print(f"summary: {run_dir_of(cfg) / 'summary.json'}")
+    print(f"summary: {run_folder(cfg).summary}")
     return 0
 
 
 def _cmd_ui(args: argparse.Namespace) -> int:
     from flows.config import load_config
-    from flows.loop import run_dir_of
-    from storage.lineage import default_tracking_uri
+    from flows.loop import tracking_uri
 
     cfg = load_config(args.config, args.overrides)
-    uri = cfg.mlflow.tracking_uri or default_tracking_uri(run_dir_of(cfg))
+    uri = tracking_uri(cfg)
     address = f"http://127.0.0.1:{args.port}"
     print(f"MLflow UI for {uri} at {address} (Ctrl-C stops it)", flush=True)
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1",
@@ -65,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write plan.json, report.md and plots here")
     p.set_defaults(fn=_cmd_plan)
     args = parser.parse_args(argv)
-    from stages.config import ConfigError
+    from flows.schema import ConfigError
 
     try:
         return args.fn(args)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import dask
 from distributed import Client, Nanny, Scheduler, SpecCluster
 
-from stages.config import GRPOConfig
+from flows.schema import GRPOConfig
 
 __all__ = ["ClusterError", "Pools", "start_cluster", "check_pools"]
 

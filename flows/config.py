@@ -7,7 +7,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from stages.config import ConfigError, GRPOConfig
+from flows.schema import ConfigError, GRPOConfig
 
 __all__ = ["load_config"]
 

@@ -6,6 +6,11 @@
 Edges carry small refs (StepRef, PolicyRef), never tensors: every stage reads its inputs from
 the step's Zarr group and writes its outputs there. A stage already marked complete in the store
 is not run again, so a rerun of a crashed iteration picks up after the last complete stage.
+
+Each stage is a :class:`StageFutures`: its tasks (``work``, whose results are the stage's
+measurements) and the one task that marks the stage complete once they have all written
+(``gate``); downstream stages wait on the gate. The work itself is in flows/tasks.py (thin
+load -> stage -> save functions) and stages/.
 """
 
 from __future__ import annotations
@@ -19,11 +24,12 @@ from distributed import Client, Future, as_completed
 
 from flows import tasks
 from flows.cluster import Pools
-from stages.config import GRPOConfig, config_hash
+from flows.schema import GRPOConfig, config_hash
 from storage.policies import PolicyRef
-from storage.rollouts import RolloutStore, StepLayout, StepRef
+from storage.rollouts import StepLayout, StepRef
+from storage.run_folder import RunFolder
 
-__all__ = ["STAGES", "IterationError", "IterationResult", "run_iteration", "step_layout"]
+__all__ = ["STAGES", "IterationError", "IterationResult", "StageFutures", "run_iteration", "step_layout"]
 
 STAGES = ("rollout", "reward", "reference", "advantage", "train", "publish")
 # What each stage waits for; a stage's seconds are measured from the last of these finishing.
@@ -42,6 +48,28 @@ class IterationResult:
     metrics: dict[str, float]
     stage_seconds: dict[str, float]
     trace_events: list[dict] = field(default_factory=list)
+    skipped: frozenset[str] = frozenset()
+    """Stages found complete in the store and not run again."""
+
+
+@dataclass(frozen=True)
+class StageFutures:
+    """One stage's futures in the step's graph."""
+
+    stage: str
+    work: tuple[Future, ...] = ()
+    """The stage's tasks; their results are its measurements (publish: the new PolicyRef)."""
+    gate: Future | None = None
+    """Marks the stage complete in the store after every work task; None when the stage was skipped."""
+
+    @property
+    def deps(self) -> tuple[Future, ...]:
+        """What a downstream stage waits on: the gate, i.e. the stage's outputs are in the store."""
+        return () if self.gate is None else (self.gate,)
+
+    @property
+    def futures(self) -> tuple[Future, ...]:
+        return self.work + self.deps
 
 
 def step_layout(cfg: GRPOConfig) -> StepLayout:
@@ -57,89 +85,100 @@ def _ranges(num_groups: int, groups_per_chunk: int, parts: int) -> list[tuple[in
     return [(lo, min(hi, num_groups)) for lo, hi in zip(bounds, bounds[1:]) if lo < min(hi, num_groups)]
 
 
-def _submit(client: Client, cfg: GRPOConfig, pools: Pools, paths: tasks.RunPaths, ref: StepRef,
-            policy: PolicyRef, done: set[str]) -> dict[str, list[Future]]:
+def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, ref: StepRef,
+            policy: PolicyRef, done: set[str]) -> dict[str, StageFutures]:
     G = cfg.rollout.group_size
     layout = step_layout(cfg)
     gpc = layout.chunk_samples // G
     tok = tokenize(ref, policy.sha256, config_hash(cfg))
     world = len(pools.train)  # training ranks: one reference and one train task each
     train_pin = [dict(workers=[pools.train[r]], resources={"train": 1}, pure=False) for r in range(world)]
-    futures: dict[str, list[Future]] = {}
-
-    def gate(stage: str, work: list[Future]) -> list[Future]:
-        """Keep a stage's tasks (their results are its metrics) and return the one future that
-        marks the stage complete in the store once all of them have written their outputs."""
-        futures[f"{stage}_work"] = work
-        return [client.submit(tasks.mark_complete, ref, stage, *work, key=f"{stage}-done-{ref.step}-{tok}")]
-
-    rollout = []
-    if "rollout" not in done:
-        parts = _ranges(layout.num_prompts, gpc, len(pools.rollout))
-        for i, (lo, hi) in enumerate(parts):
-            engine = pools.rollout[i % len(pools.rollout)]
-            rollout.append(client.submit(tasks.rollout_task, cfg, ref, policy, lo, hi, engine,
-                                         key=f"rollout-{ref.step}-{i}-{tok}", workers=[engine],
-                                         resources={"rollout": 1}, pure=False))
-        rollout = gate("rollout", rollout)
-    futures["rollout"] = rollout
-
-    reward = []
-    if "reward" not in done:
-        for i, (lo, hi) in enumerate(_ranges(layout.num_prompts, gpc, cfg.reward.num_tasks)):
-            reward.append(client.submit(tasks.score_task, cfg, ref, policy.path, lo * G, hi * G, *rollout,
-                                        key=f"score-{ref.step}-{i}-{tok}"))
-        reward = gate("reward", reward)
-    futures["reward"] = reward
-
-    reference = []
-    if "reference" not in done:
-        reference = [client.submit(tasks.reference_task, cfg, ref, *rollout, key=f"reference-{ref.step}-{r}-{tok}",
-                                   **train_pin[r]) for r in range(world)]
-        reference = gate("reference", reference)
-    futures["reference"] = reference
-
-    advantage = []
-    if "advantage" not in done:
-        advantage = [client.submit(tasks.advantage_task, cfg, ref, *reward, key=f"advantage-{ref.step}-{tok}")]
-    futures["advantage"] = advantage
-
     new_version = policy.version + 1
-    train = [client.submit(tasks.train_task, cfg, ref, paths, new_version, *advantage, *reference,
-                           key=f"train-{ref.step}-{r}-{tok}", **train_pin[r]) for r in range(world)]
-    futures["train"] = train
-    futures["publish"] = [client.submit(tasks.publish_task, paths, new_version, policy, ref.step, *train,
-                                        key=f"publish-{ref.step}-{tok}")]
-    return futures
+    stages: dict[str, StageFutures] = {}
+
+    def add(stage: str, work: list[Future], **attrs) -> tuple[Future, ...]:
+        """Record the stage with a gate that marks it complete once all ``work`` has written."""
+        gate = client.submit(tasks.mark_stage_complete, ref, stage, *work, attrs=attrs,
+                             key=f"{stage}-done-{ref.step}-{tok}")
+        stages[stage] = StageFutures(stage, tuple(work), gate)
+        return stages[stage].deps
+
+    def skip(stage: str) -> tuple[Future, ...]:
+        stages[stage] = StageFutures(stage)
+        return ()
+
+    if "rollout" in done:
+        rollout = skip("rollout")
+    else:
+        work = []
+        for i, (lo, hi) in enumerate(_ranges(layout.num_prompts, gpc, len(pools.rollout))):
+            engine = pools.rollout[i % len(pools.rollout)]
+            work.append(client.submit(tasks.rollout_task, cfg, ref, policy, lo, hi, engine,
+                                      key=f"rollout-{ref.step}-{i}-{tok}", workers=[engine],
+                                      resources={"rollout": 1}, pure=False))
+        rollout = add("rollout", work)
+
+    if "reward" in done:
+        reward = skip("reward")
+    else:
+        reward = add("reward", [client.submit(tasks.score_task, cfg, ref, policy.path, lo * G, hi * G, *rollout,
+                                              key=f"score-{ref.step}-{i}-{tok}")
+                                for i, (lo, hi) in enumerate(_ranges(layout.num_prompts, gpc, cfg.reward.num_tasks))])
+
+    if "reference" in done:
+        reference = skip("reference")
+    else:
+        reference = add("reference", [client.submit(tasks.reference_task, cfg, ref, *rollout,
+                                                    key=f"reference-{ref.step}-{r}-{tok}", **train_pin[r])
+                                      for r in range(world)])
+
+    if "advantage" in done:
+        advantage = skip("advantage")
+    else:
+        advantage = add("advantage", [client.submit(tasks.advantage_task, cfg, ref, *reward,
+                                                    key=f"advantage-{ref.step}-{tok}")])
+
+    if "train" in done:  # every rank's shard of the new version is on disk already
+        train = skip("train")
+    else:
+        train = add("train", [client.submit(tasks.train_task, cfg, ref, folder, new_version, *advantage, *reference,
+                                            key=f"train-{ref.step}-{r}-{tok}", **train_pin[r]) for r in range(world)])
+
+    # Publish always runs: it is idempotent, and a step whose publish is complete is not rerun.
+    add("publish", [client.submit(tasks.publish_task, folder, new_version, policy, ref.step,
+                                  cfg.train.pipeline_model_parallel_size, *train, key=f"publish-{ref.step}-{tok}")],
+        next_policy_version=new_version)
+    return stages
 
 
-def run_iteration(client: Client, cfg: GRPOConfig, pools: Pools, paths: tasks.RunPaths, step: int,
+def run_iteration(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, step: int,
                   policy: PolicyRef, on_stage: Callable[[str], None] = lambda stage: None,
                   timeout_s: float = 900.0) -> IterationResult:
     """Run step ``step`` from ``policy``; returns the new policy version and the step's metrics."""
-    store = RolloutStore(paths.rollouts)
+    store = folder.rollout_store()
     done = store.completed(step)
     if "rollout" not in done:  # a partial rollout is regenerated whole
         store.create_step(step, step_layout(cfg), policy.version, config_hash(cfg))
         done = set()
     ref = store.ref(step)
     start = time.perf_counter()
-    futures = _submit(client, cfg, pools, paths, ref, policy, done)
-    stage_of = {f.key: stage.removesuffix("_work") for stage, fs in futures.items() for f in fs}
-    pending = {stage: sum(len(fs) for name, fs in futures.items() if name.removesuffix("_work") == stage)
-               for stage in STAGES}
+    stages = _submit(client, cfg, pools, folder, ref, policy, done)
+    stage_of = {f.key: s.stage for s in stages.values() for f in s.futures}
+    work_keys = {f.key for s in stages.values() for f in s.work}
+    pending = {stage: len(stages[stage].futures) for stage in STAGES}
     finished_at = {stage: start for stage, n in pending.items() if n == 0}
     for stage in finished_at:
         on_stage(stage)
     results: dict[str, list] = {stage: [] for stage in STAGES}
     try:
-        for future, value in as_completed([f for fs in futures.values() for f in fs], with_results=True,
+        for future, value in as_completed([f for s in stages.values() for f in s.futures], with_results=True,
                                           raise_errors=False, timeout=timeout_s):
             stage = stage_of[future.key]
             if future.status == "error":
                 exc = future.exception()
                 raise IterationError(f"step {step}: stage {stage} failed: {type(exc).__name__}: {exc}") from exc
-            results[stage].append(value)
+            if future.key in work_keys:
+                results[stage].append(value)
             pending[stage] -= 1
             if pending[stage] == 0:
                 finished_at[stage] = time.perf_counter()
@@ -148,18 +187,19 @@ def run_iteration(client: Client, cfg: GRPOConfig, pools: Pools, paths: tasks.Ru
         late = [s for s, n in pending.items() if n]
         raise IterationError(f"step {step}: stages {', '.join(late)} did not finish within {timeout_s:.0f} s") from exc
     finally:
-        for fs in futures.values():
-            for f in fs:
+        for s in stages.values():
+            for f in s.futures:
                 if f.status == "pending":
                     f.cancel()
 
     stage_seconds = {s: finished_at[s] - max((finished_at[d] for d in _AFTER[s]), default=start) for s in STAGES}
-    return _collect(step, results, stage_seconds)
+    skipped = frozenset(s.stage for s in stages.values() if s.gate is None)
+    return _collect(step, results, stage_seconds, skipped)
 
 
-def _collect(step: int, results: dict[str, list], stage_seconds: dict[str, float]) -> IterationResult:
+def _collect(step: int, values: dict[str, list], stage_seconds: dict[str, float],
+             skipped: frozenset[str]) -> IterationResult:
     """Fold the tasks' own measurements into the step's metrics."""
-    values = {stage: [v for v in vs if isinstance(v, dict)] for stage, vs in results.items()}
     m: dict[str, float] = {}
     if values["rollout"]:
         roll = values["rollout"]
@@ -193,4 +233,4 @@ def _collect(step: int, results: dict[str, list], stage_seconds: dict[str, float
             if "ts" in e:
                 e["ts"] -= origin
     m.update({f"{s}_seconds": v for s, v in stage_seconds.items()})
-    return IterationResult(step, results["publish"][0], m, stage_seconds, events)
+    return IterationResult(step, values["publish"][0], m, stage_seconds, events, skipped)

@@ -7,28 +7,24 @@ policy version it published; a step left half-done is picked up after its last c
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from tqdm.auto import tqdm
 
 from flows import tasks
 from flows.cluster import Pools, check_pools, start_cluster
 from flows.iteration import STAGES, IterationResult, run_iteration
-from stages.config import GRPOConfig, config_hash, config_to_dict
-from stages.train.local import free_port
-from storage.lineage import Lineage, default_tracking_uri
-from storage.policies import PolicyRef, PolicyStore
-from storage.rollouts import RolloutStore
+from flows.schema import GRPOConfig, config_hash, config_to_dict
+from stages.train.rendezvous import free_port
+from storage.lineage import Lineage
+from storage.policies import PolicyRef
+from storage.run_folder import RunFolder
 
-__all__ = ["RunSummary", "run", "run_dir_of", "format_summary"]
+__all__ = ["RunSummary", "run", "run_folder", "tracking_uri", "format_summary"]
 
 log = logging.getLogger(__name__)
-_CACHE_DIR = os.environ.get("GRPOFLOW_CACHE", "")
 
 
 @dataclass
@@ -62,14 +58,22 @@ class RunSummary:
         }
 
 
-def run_dir_of(cfg: GRPOConfig) -> Path:
-    return Path(cfg.runs_dir) / cfg.run_name
+def run_folder(cfg: GRPOConfig) -> RunFolder:
+    """The run's folder (storage/run_folder.py): every path the run writes."""
+    return RunFolder.at(cfg.runs_dir, cfg.run_name)
+
+
+def tracking_uri(cfg: GRPOConfig) -> str:
+    """mlflow.tracking_uri, or sqlite in the run folder."""
+    return cfg.mlflow.tracking_uri or run_folder(cfg).tracking_uri
 
 
 def _init_ranks(client, cfg: GRPOConfig, pools: Pools, policy: PolicyRef) -> None:
     # One training rank per train worker: pp x dp x tp global ranks, each deriving its mesh
     # coordinate from its rank (stages/train/layout.py). The rendezvous listens on rank 0's host,
-    # on a port free there.
+    # on a port free there. Every worker imports the engine first, so the rendezvous's
+    # train.timeout_s bounds the rendezvous only, not a cold torch import on a loaded host.
+    client.run(tasks.worker_ready, workers=list(pools.train))
     port = client.submit(free_port, workers=[pools.train[0]], pure=False).result()
     init_method = f"tcp://{pools.train_host}:{port}"
     futures = [client.submit(tasks.init_train_rank, cfg, r, init_method, policy, workers=[w],
@@ -78,9 +82,9 @@ def _init_ranks(client, cfg: GRPOConfig, pools: Pools, policy: PolicyRef) -> Non
     client.gather(futures)
 
 
-def _resume_point(cfg: GRPOConfig, paths: tasks.RunPaths) -> tuple[int, int | None]:
+def _resume_point(cfg: GRPOConfig, folder: RunFolder) -> tuple[int, int | None]:
     """(first step to run, policy version to start from) of an existing run folder."""
-    store, policies = RolloutStore(paths.rollouts), PolicyStore(paths.policies)
+    store, policies = folder.rollout_store(), folder.policy_store()
     step = 0
     while step < cfg.iterations and "publish" in store.completed(step) and policies.is_complete(step + 1):
         step += 1
@@ -88,36 +92,32 @@ def _resume_point(cfg: GRPOConfig, paths: tasks.RunPaths) -> tuple[int, int | No
 
 
 def run(cfg: GRPOConfig, progress: bool = True) -> RunSummary:
-    """Run ``cfg.iterations`` GRPO iterations; writes runs/<run_name>/summary.json."""
+    """Run ``cfg.iterations`` GRPO iterations; writes the run folder's summary.json."""
     start = time.perf_counter()
-    run_dir = run_dir_of(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    paths = tasks.RunPaths(str(run_dir.resolve()))
-    tracking_uri = cfg.mlflow.tracking_uri or default_tracking_uri(run_dir)
-    first_step, version = _resume_point(cfg, paths)
+    folder = run_folder(cfg).create()
+    uri = tracking_uri(cfg)
+    first_step, version = _resume_point(cfg, folder)
     client, cluster = start_cluster(cfg)
     lineage = None
     try:
         pools = check_pools(client, cfg)
-        lineage = Lineage(tracking_uri, cfg.mlflow.experiment, cfg.run_name, config_to_dict(cfg),
+        lineage = Lineage(uri, cfg.mlflow.experiment, cfg.run_name, config_to_dict(cfg),
                           tags={"grpoflow.config_hash": config_hash(cfg), "grpoflow.resumed_from": str(first_step)},
-                          artifact_location=str((run_dir / "mlartifacts").resolve()))
-        cache_dir = _CACHE_DIR or str(Path(cfg.runs_dir).resolve() / "_cache")
+                          artifact_location=folder.artifacts)
         if version is None:
             log.info("policy v0: %s", cfg.model.path or
-                     f"the task's tiny model, warmed up for {cfg.warmup.steps} steps (cached in {cache_dir})")
-            policy = client.submit(tasks.make_base_policy, cfg, paths, cache_dir, workers=[pools.train[0]],
+                     f"the task's tiny model, warmed up for {cfg.warmup.steps} steps (cached in {folder.cache_root})")
+            policy = client.submit(tasks.make_base_policy, cfg, folder, workers=[pools.train[0]],
                                    pure=False).result()
         else:
-            policy = PolicyStore(paths.policies).ref(version)
+            policy = folder.policy_store().ref(version)
         log.info("starting %d training ranks from policy v%d; %d iterations from step %d",
                  len(pools.train), policy.version, cfg.iterations - first_step, first_step)
         _init_ranks(client, cfg, pools, policy)
-        results = _loop(client, cfg, pools, paths, policy, first_step, lineage, progress)
-        summary = _summarise(cfg, lineage, tracking_uri, results, time.perf_counter() - start)
-        summary_path = run_dir / "summary.json"
-        summary_path.write_text(json.dumps(summary.to_json(), indent=1))
-        lineage.log_summary({"wall_seconds": summary.wall_seconds}, [str(summary_path)])
+        results = _loop(client, cfg, pools, folder, policy, first_step, lineage, progress)
+        summary = _summarise(cfg, lineage, uri, results, time.perf_counter() - start)
+        summary_path = folder.save_summary(summary.to_json())
+        lineage.log_summary({"wall_seconds": summary.wall_seconds}, [summary_path])
         lineage.finish()
         return summary
     except BaseException:
@@ -134,12 +134,10 @@ def run(cfg: GRPOConfig, progress: bool = True) -> RunSummary:
             cluster.close()
 
 
-def _loop(client, cfg: GRPOConfig, pools: Pools, paths: tasks.RunPaths, policy: PolicyRef, first_step: int,
+def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: PolicyRef, first_step: int,
           lineage: Lineage, progress: bool) -> list[IterationResult]:
     results = []
-    timelines = Path(paths.timelines)
-    timelines.mkdir(parents=True, exist_ok=True)
-    store = RolloutStore(paths.rollouts)
+    store = folder.rollout_store()
     outer = tqdm(range(first_step, cfg.iterations), desc="iterations", disable=not progress, unit="it")
     for step in outer:
         bar = tqdm(total=len(STAGES), desc=f"step {step}", leave=False, disable=not progress, unit="stage")
@@ -148,17 +146,19 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, paths: tasks.RunPaths, policy: 
             bar.set_postfix_str(stage)
             bar.update(1)
 
-        result = run_iteration(client, cfg, pools, paths, step, policy, on_stage=advance,
+        result = run_iteration(client, cfg, pools, folder, step, policy, on_stage=advance,
                                timeout_s=cfg.cluster.iteration_timeout_s)
         bar.close()
+        if "train" in result.skipped:
+            # The shards came from an earlier process; the ranks still hold the step's input
+            # policy, so they restart from the version just published.
+            _init_ranks(client, cfg, pools, result.policy)
         t0 = time.perf_counter()
-        store.mark_complete(step, "publish", next_policy_version=result.policy.version)
         result.metrics["publish_seconds_total"] = result.stage_seconds["publish"]
-        trace_path = timelines / f"step_{step}.json"
-        trace_path.write_text(json.dumps({"traceEvents": result.trace_events, "displayTimeUnit": "ms"}))
+        trace_path = folder.save_trace(step, result.trace_events)
         cid = lineage.log_iteration(step, result.metrics, store.ref(step).path, store.digest(step),
                                     result.policy.path, result.policy.sha256, result.policy.version)
-        lineage.log_artifact(cid, str(trace_path), "timelines")
+        lineage.log_artifact(cid, trace_path, "timelines")
         result.metrics["lineage_seconds"] = time.perf_counter() - t0
         policy = result.policy
         results.append(result)

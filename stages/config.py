@@ -1,22 +1,18 @@
-"""Typed configuration of a grpoflow run.
+"""Typed configuration of the stages: task, model, warm-up, rollout, reward, advantage, train.
 
-YAML on disk (configs/*.yaml), frozen dataclasses in code. Each field is documented once, here.
-Validation happens in ``__post_init__`` so an impossible setting fails before any work starts,
-with a one-line :class:`ConfigError` naming the key and the fix. Parallel settings use the
-NeMo / Megatron names (``tensor_model_parallel_size``, ``pipeline_model_parallel_size``, ...).
+The run schema that nests these (GRPOConfig, with cluster and MLflow settings and the checks that
+span sections) is flows/schema.py. Each field is documented once, here. Validation happens in
+``__post_init__`` so an impossible setting fails before any work starts, with a one-line
+:class:`ConfigError` naming the key and the fix. Parallel settings use the NeMo / Megatron names
+(``tensor_model_parallel_size``, ``pipeline_model_parallel_size``, ...).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
-from stages.layout import SCHEDULES, ModelShape, attention_bias_of, parallel_layout_error
-from stages.train.buckets import BucketedLayout, bucketed_layout, microbatches_per_pass
-from stages.train.plan import MicrobatchLayout, microbatch_layout
+from stages.layout import SCHEDULES, ModelShape, attention_bias_of
 
 __all__ = [
     "ConfigError",
@@ -27,13 +23,8 @@ __all__ = [
     "RewardConfig",
     "AdvantageConfig",
     "TrainConfig",
-    "ClusterConfig",
-    "MlflowConfig",
-    "GRPOConfig",
     "SCHEDULES",
     "LOSS_AGGREGATIONS",
-    "config_hash",
-    "config_to_dict",
 ]
 
 
@@ -235,116 +226,3 @@ class TrainConfig:
     def world_size(self) -> int:
         """Training ranks: pipeline x data x tensor parallel."""
         return self.pipeline_model_parallel_size * self.data_parallel_size * self.tensor_model_parallel_size
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    scheduler_address: Optional[str] = None
-    """Connect to this Dask scheduler instead of starting an embedded local cluster."""
-    num_plain_workers: int = 1
-    """Embedded cluster: workers without resources (reward, advantage, IO)."""
-    colocated: bool = False
-    """Embedded cluster: give training workers the rollout resource too (one pool for both phases)."""
-    iteration_timeout_s: float = 900.0
-    """An iteration whose stages have not all finished by then fails, naming the late stages."""
-
-
-@dataclass(frozen=True)
-class MlflowConfig:
-    tracking_uri: Optional[str] = None
-    """MLflow tracking URI; unset means sqlite in the run folder (runs/<run_name>/mlflow.db)."""
-    experiment: str = "grpoflow"
-
-
-@dataclass(frozen=True)
-class GRPOConfig:
-    run_name: str = "tiny"
-    runs_dir: str = "runs"
-    seed: int = 0
-    iterations: int = 20
-    task: TaskConfig = field(default_factory=TaskConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    warmup: WarmupConfig = field(default_factory=WarmupConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
-    plan: dict[str, Any] = field(default_factory=dict)
-    """Planner-only settings (cluster, search, activation accounting; planner/config.py documents
-    them). The run ignores this section, so `grpoflow plan` can read the run's own config."""
-
-    def __post_init__(self) -> None:
-        _require(self.iterations >= 1, "iterations must be >= 1")
-        _require(
-            self.run_name and all(c.isalnum() or c in "-_." for c in self.run_name),
-            f"run_name={self.run_name!r} may hold only letters, digits, '-', '_' and '.'",
-        )
-        self._check_parallel_layout()
-
-    def _check_parallel_layout(self) -> None:
-        """Batch split, tensor split and schedule constraints, each in one line naming the key."""
-        t, m = self.train, self.model
-        dp, tp = t.data_parallel_size, t.tensor_model_parallel_size
-        _require(self.task.prompts_per_step % dp == 0,
-                 f"train.data_parallel_size={dp} must divide task.prompts_per_step={self.task.prompts_per_step} "
-                 "(each data-parallel rank takes whole groups)")
-        try:
-            self.microbatch_layout  # the token budget holds a sequence; packed rows fit the budget
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        # The same question the planner asks of a plan (planner/validate.py), in the same words.
-        error = parallel_layout_error(m.shape(), tp=tp, pp=t.pipeline_model_parallel_size,
-                                      virtual=t.virtual_pipeline_model_parallel_size, schedule=t.schedule,
-                                      num_microbatches=self.num_microbatches)
-        _require(error is None, error or "")
-
-    @property
-    def num_samples(self) -> int:
-        return self.task.prompts_per_step * self.rollout.group_size
-
-    @property
-    def microbatch_layout(self) -> MicrobatchLayout | BucketedLayout:
-        """The fixed shape and count of every step's microbatches (stages/train/plan.py):
-        budget B = train.max_tokens_per_microbatch or micro_batch_size x S, S = prompt width +
-        max_new_tokens; M = the worst case's count, a multiple of data_parallel_size. With
-        train.length_buckets: the buckets' shapes, M = one pass (stages/train/buckets.py)."""
-        t = self.train
-        width, new = self.task.prompt_width, self.rollout.max_new_tokens
-        budget = t.max_tokens_per_microbatch or t.micro_batch_size * (width + new)
-        if t.length_buckets is not None:
-            m = microbatches_per_pass(t.schedule, t.pipeline_model_parallel_size,
-                                      t.virtual_pipeline_model_parallel_size)
-            return bucketed_layout(self.task.prompts_per_step, self.rollout.group_size, width, new, budget,
-                                   t.length_buckets, t.packing, m, t.data_parallel_size)
-        return microbatch_layout(self.task.prompts_per_step, self.rollout.group_size, width, new, budget,
-                                 t.packing, t.pack_row_tokens, t.data_parallel_size)
-
-    @property
-    def num_global_microbatches(self) -> int:
-        """Microbatches of the whole global batch (the same every step)."""
-        return self.microbatch_layout.num_microbatches
-
-    @property
-    def num_microbatches(self) -> int:
-        """Microbatches each data-parallel pipeline runs per step."""
-        return self.num_global_microbatches // self.train.data_parallel_size
-
-
-def config_to_dict(cfg: Any) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
-
-
-def _plain(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.asdict(obj)
-    return str(obj)
-
-
-def config_hash(cfg: Any) -> str:
-    """A short stable digest of a config (or a dict of config parts), recorded beside every stored
-    artifact."""
-    blob = json.dumps(_plain(cfg) if dataclasses.is_dataclass(cfg) else cfg, sort_keys=True,
-                      default=_plain).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]

@@ -19,7 +19,7 @@ from mlflow.data.meta_dataset import MetaDataset
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
-__all__ = ["ZarrDatasetSource", "Lineage", "default_tracking_uri", "flatten", "iteration_runs"]
+__all__ = ["ZarrDatasetSource", "Lineage", "flatten", "iteration_runs"]
 
 _MAX_PARAM_LEN = 500  # MLflow's limit on a param value's length
 
@@ -54,10 +54,6 @@ class ZarrDatasetSource(DatasetSource):
 
 
 register_dataset_source(ZarrDatasetSource)
-
-
-def default_tracking_uri(run_dir: str | Path) -> str:
-    return f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

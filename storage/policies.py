@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-__all__ = ["PolicyStoreError", "PolicyRef", "PolicyStore"]
+__all__ = ["PolicyStoreError", "PolicyRef", "PolicyStore", "load_model_folder", "load_tokenizer_json"]
 
 _MANIFEST = "grpoflow.json"
 # Files of a source HF folder a version carries over, so that a tokenizer (chat template, special
@@ -145,4 +145,11 @@ def load_model_folder(path: str | Path, names: set[str] | None = None) -> tuple[
     return hf_config, tokenizer_json, tensors
 
 
-__all__.append("load_model_folder")
+def load_tokenizer_json(path: str | Path) -> str:
+    """The tokenizer.json text of a policy version (or any HF model folder)."""
+    tok_path = Path(path) / "tokenizer.json"
+    try:
+        return tok_path.read_text()
+    except Exception as exc:
+        raise PolicyStoreError(f"cannot read the tokenizer {tok_path}: {exc}") from exc
+

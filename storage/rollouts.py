@@ -167,6 +167,11 @@ class RolloutStore:
         except Exception as exc:
             raise RolloutStoreError(f"cannot write {name} of {self.ref(step)}: {exc}") from exc
 
+    def write_rows(self, step: int, arrays: dict[str, np.ndarray], start: int = 0) -> None:
+        """Write several arrays' rows [start, start + rows) (a stage's outputs for its range)."""
+        for name, values in arrays.items():
+            self.write(step, name, values, start=start)
+
     def read(self, step: int, *names: str, start: int = 0, stop: int | None = None) -> dict[str, np.ndarray]:
         out = {}
         for name in names:

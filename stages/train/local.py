@@ -9,7 +9,6 @@ fresh interpreter importing torch (~3 s each on a loaded 2-core machine).
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -19,8 +18,9 @@ import torch
 
 from stages.train.batch import BucketedBatch
 from stages.train.engine import StepResult, TrainRank, TrainSetup
+from stages.train.rendezvous import free_port
 
-__all__ = ["Call", "RankOutput", "free_port", "run_local_pipeline"]
+__all__ = ["Call", "RankOutput", "run_local_pipeline"]
 
 Call = Literal["train", "grad", "reference", "proximal"]
 """train: train_step; grad: forward_backward (no optimiser step); reference / proximal: the
@@ -39,12 +39,6 @@ class RankOutput:
     errors: list[Optional[str]]  # per call: the error it raised, or None
     seconds: list[float]  # per call: wall time on this rank
     state: dict[str, torch.Tensor]  # HF-named weights after the last call (empty if the rank was aborted)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _one_call(engine: TrainRank, call: Call, batch):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,13 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from stages.train.rendezvous import free_port
+
 GRPOFLOW = [sys.executable, "-m", "flows.cli"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_bad_override_is_one_line_and_exit_2():
@@ -31,7 +26,7 @@ def test_bad_override_is_one_line_and_exit_2():
 
 
 def test_ui_serves_the_run_store_on_loopback(tmp_path):
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(GRPOFLOW + ["ui", "configs/tiny.yaml", f"runs_dir={tmp_path}", "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

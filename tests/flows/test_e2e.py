@@ -8,15 +8,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import transformers  # a test dependency: the published policy must load into it
+import zarr
 
 from flows.config import load_config
 from flows.loop import run
 from storage.lineage import iteration_runs
+from storage.policies import PolicyStore
 from storage.rollouts import RolloutStore
 
 pytestmark = pytest.mark.slow
 
-STAGES = {"rollout", "reward", "reference", "advantage", "publish"}
+STAGES = {"rollout", "reward", "reference", "advantage", "train", "publish"}
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +51,7 @@ def test_rollout_store_holds_complete_group_aligned_steps(finished_run):
         attrs = store.attrs(step)
         assert STAGES <= set(attrs["complete"])
         assert attrs["group_size"] == G and attrs["policy_version"] == step
+        assert attrs["next_policy_version"] == step + 1
         assert attrs["chunk_samples"] % G == 0
         rows = store.read(step, "group_id", "policy_version", "reward", "advantage", "ref_logp", "length")
         assert np.all(rows["policy_version"] == step)
@@ -76,7 +80,6 @@ def test_mlflow_lineage(finished_run):
 
 
 def test_published_policy_loads_into_transformers(finished_run):
-    transformers = pytest.importorskip("transformers")
     _, summary, run_dir = finished_run
     path = Path(summary.policy_path)
     assert path == run_dir.resolve() / "policy" / "v2"
@@ -104,9 +107,19 @@ def test_timeline_has_forward_and_backward_per_rank(finished_run):
 
 def test_rerun_resumes_after_the_last_published_step(finished_run):
     cfg, summary, run_dir = finished_run
+    # A crash between train and publish of step 1: every shard of v2 is on disk (train is marked),
+    # v2's manifest and step 1's publish mark are not.
+    store, policies = RolloutStore(run_dir / "rollouts.zarr"), PolicyStore(run_dir / "policy")
+    sha_v2 = policies.ref(2).sha256
+    (run_dir / "policy" / "v2" / "grpoflow.json").unlink()
+    group = zarr.open_group(store.ref(1).path, mode="r+")
+    group.attrs["complete"] = [s for s in group.attrs["complete"] if s != "publish"]
     more = load_config("configs/tiny.yaml", [
         "iterations=3", "run_name=e2e", f"runs_dir={run_dir.parent}", "warmup.steps=30",
         "task.prompts_per_step=8", "train.micro_batch_size=16"])
     resumed = run(more, progress=False)
-    assert resumed.iterations == 1 and [m["step"] for m in resumed.metrics] == [2]
-    assert RolloutStore(run_dir / "rollouts.zarr").attrs(2)["policy_version"] == 2
+    assert [m["step"] for m in resumed.metrics] == [1, 2]
+    assert "loss" not in resumed.metrics[0] and "loss" in resumed.metrics[1]  # step 1 was not trained again
+    assert policies.ref(2).sha256 == sha_v2  # v2 published from the shards step 1 wrote
+    assert store.attrs(2)["policy_version"] == 2 and STAGES <= store.completed(2)
+    assert policies.is_complete(3)

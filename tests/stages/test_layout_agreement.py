@@ -14,7 +14,8 @@ from planner.config import ClusterConfig, PlanConfig, PlanConfigError, RolloutCo
 from planner.memory import estimate_stage_parameters
 from planner.model import ModelShape
 from planner.training import estimate_stage_layout
-from stages.config import ConfigError, GRPOConfig, ModelConfig, RolloutConfig as RunRolloutConfig, TaskConfig
+from flows.schema import GRPOConfig
+from stages.config import ConfigError, ModelConfig, RolloutConfig as RunRolloutConfig, TaskConfig
 from stages.config import TrainConfig as RunTrainConfig
 from stages.layout import SCHEDULES, ParallelLayout
 from stages.policy import DecoderConfig, build_stage

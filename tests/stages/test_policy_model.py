@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+import transformers  # a test dependency: the parity tests fail, never skip, without it
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -14,8 +15,6 @@ from stages.policy import (DecoderConfig, build_stage, hf_state, layer_ranges, l
                            stage_hf_names)
 from stages.policy.tokenizer import TextCodec
 from stages.tasks.addition import SPECIALS, answer_of, make_prompts, make_tokenizer_json
-
-transformers = pytest.importorskip("transformers")
 
 _PARITY_ATOL = 1e-4  # fp32 logits of two implementations of the same maths
 _WEIGHT_STD = 0.2  # large enough that attention and the MLP are far from their zero-init behaviour

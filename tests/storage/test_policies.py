@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
+import transformers  # a test dependency: the parity checks fail, never skip, without it
 
 from stages.policy import DecoderConfig, build_stage, hf_state, load_hf_state, stage_hf_names
 from stages.tasks.addition import make_tokenizer_json
 from storage.policies import PolicyStore, PolicyStoreError, load_model_folder
-
-transformers = pytest.importorskip("transformers")
 
 _LOGITS_ATOL = 1e-5  # same fp32 weights, two implementations
 
@@ -137,6 +138,9 @@ def test_manifest_hash_changes_with_the_weights(tmp_path):
     b = store.save_policy(1, cfg.to_hf(), "", hf_state(make_model(cfg, seed=0)))
     c = store.save_policy(2, cfg.to_hf(), "", hf_state(make_model(cfg, seed=1)))
     assert a.sha256 == b.sha256 != c.sha256
+    # The manifest's hash is the sha256 of the shard bytes (one shard here).
+    shard = Path(a.path) / "model-00001-of-00001.safetensors"
+    assert a.sha256 == hashlib.sha256(shard.read_bytes()).hexdigest()
 
 
 def test_remove_from_drops_later_versions(tmp_path):

@@ -194,13 +194,13 @@ def test_reading_an_unknown_step_raises(tmp_path):
         empty.read(0, "tokens")
 
 
-def test_digest_follows_content(tmp_path):
+def test_digest_follows_content_not_location(tmp_path):
     layout = make_layout()
-    store = make_store(tmp_path, layout=layout)
-    first = store.digest(0)
-    assert store.digest(0) == first
+    store = make_store(tmp_path / "a", layout=layout)
+    twin = make_store(tmp_path / "b", layout=layout)  # the same content in another folder
+    assert store.digest(0) == twin.digest(0) and len(store.digest(0)) == 16
     store.write(0, "reward", np.arange(layout.num_samples, dtype=np.float32))
-    assert store.digest(0) != first
+    assert store.digest(0) != twin.digest(0)
 
 
 def test_marking_an_unknown_step_raises(tmp_path):

@@ -1,0 +1,86 @@
+"""A rollout task's work: encode its prompts, sample G completions each, and lay them out as the
+rows of the step's store.
+
+Rows of prompt p (0-based within the step) are rows [p * G, (p + 1) * G) of the step, and carry
+group id ``step * prompts_per_step + p``, so group ids are unique across a run. Sampling is seeded
+by (run seed, step, first prompt): a rerun of a step's range regenerates the same rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from stages.config import RolloutConfig
+from stages.policy.tokenizer import TextCodec
+from stages.rollout.engine import RolloutBatch, SamplingParams, generate
+
+__all__ = ["RolloutRows", "rollout_seed", "first_group_id", "sampling_params", "rollout_rows", "generate_rows"]
+
+# Multipliers of the seed mix: primes, so (seed, step, prompt_start) triples that differ give
+# different seeds for any realistic run (steps < 1_000_003 / 1_009, prompts per step < 1_009).
+_SEED_MUL, _STEP_MUL = 1_000_003, 1_009
+
+
+@dataclass(frozen=True)
+class RolloutRows:
+    """Rows [row_start, row_start + num_rows) of a step, by store array name, and what the
+    generation measured."""
+
+    row_start: int
+    arrays: dict[str, np.ndarray]  # name -> [num_rows, ...], the names of storage/rollouts.ARRAYS
+    metrics: dict[str, float]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.arrays["length"])
+
+
+def rollout_seed(seed: int, step: int, prompt_start: int) -> int:
+    """The sampling generator's seed for prompts starting at ``prompt_start`` of step ``step``."""
+    return seed * _SEED_MUL + step * _STEP_MUL + prompt_start
+
+
+def first_group_id(step: int, prompts_per_step: int, prompt_start: int) -> int:
+    """Run-wide group id of prompt ``prompt_start`` of step ``step``."""
+    return step * prompts_per_step + prompt_start
+
+
+def sampling_params(cfg: RolloutConfig, codec: TextCodec) -> SamplingParams:
+    return SamplingParams(cfg.group_size, cfg.max_new_tokens, cfg.temperature, cfg.top_p, (codec.eos_id,),
+                          codec.pad_id)
+
+
+def rollout_rows(batch: RolloutBatch, prompt_width: int, pad_id: int, first_group: int, group_size: int,
+                 policy_version: int, row_start: int = 0) -> RolloutRows:
+    """The store rows of a generated batch: prompts right-padded to the step's ``prompt_width``,
+    a group id per row (G rows per prompt) and the generating policy version."""
+    rows = len(batch.length)
+    if batch.prompt_ids.shape[1] > prompt_width:
+        raise ValueError(f"prompts of {batch.prompt_ids.shape[1]} tokens do not fit the step's "
+                         f"prompt width {prompt_width}")
+    prompt_ids = np.full((rows, prompt_width), pad_id, dtype=np.int32)  # [P*G, prompt_width]
+    prompt_ids[:, : batch.prompt_ids.shape[1]] = batch.prompt_ids
+    group_id = first_group + np.arange(rows, dtype=np.int64) // group_size  # [P*G]
+    arrays = {
+        "prompt_ids": prompt_ids, "prompt_len": batch.prompt_len, "tokens": batch.tokens, "length": batch.length,
+        "behav_logp": batch.behav_logp, "finish_reason": batch.finish_reason, "group_id": group_id,
+        "policy_version": np.full(rows, policy_version, dtype=np.int32),
+    }
+    metrics = {"rollout_tokens": float(batch.length.sum()), "rollout_seconds": batch.seconds,
+               "rollout_tokens_per_s": batch.tokens_per_s, "kv_cache_bytes": float(batch.kv_cache_bytes)}
+    return RolloutRows(row_start, arrays, metrics)
+
+
+def generate_rows(model: torch.nn.Module, codec: TextCodec, prompts: list[str], cfg: RolloutConfig, *, seed: int,
+                  step: int, prompt_start: int, prompts_per_step: int, prompt_width: int,
+                  policy_version: int) -> RolloutRows:
+    """Sample ``cfg.group_size`` completions of each prompt text (prompts ``prompt_start`` onwards of
+    the step) and return their rows."""
+    ids = [[codec.bos_id] + codec.encode(t) for t in prompts]
+    gen = torch.Generator().manual_seed(rollout_seed(seed, step, prompt_start))
+    batch = generate(model, ids, sampling_params(cfg, codec), gen)
+    return rollout_rows(batch, prompt_width, codec.pad_id, first_group_id(step, prompts_per_step, prompt_start),
+                        cfg.group_size, policy_version, row_start=prompt_start * cfg.group_size)

@@ -1,0 +1,105 @@
+"""The per-stage work of an iteration that is not a stage package of its own: the tiny base
+policy's model config and warm-up, decoding rows for scoring, reward statistics, and the
+training rank's setup. Typed inputs in, values out; no IO (flows/tasks.py loads and saves through
+storage/ around these calls).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from stages.config import ModelConfig, TaskConfig, TrainConfig, WarmupConfig
+from stages.policy import DecoderConfig
+from stages.policy.tokenizer import TextCodec
+from stages.reward import ScoredGroups, score_samples
+from stages.tasks.addition import make_tokenizer_json, warmup_pairs
+from stages.train.engine import InjectedFault, TrainSetup
+from stages.train.loss import LossConfig
+from stages.warmup import supervised_warmup
+
+__all__ = ["TinyPolicy", "tiny_max_positions", "tiny_decoder_config", "tiny_base_policy", "decode_rows",
+           "score_rows", "reward_statistics", "train_setup"]
+
+_WARMUP_PAIRS = 4096  # supervised examples the warm-up samples its batches from
+
+
+def tiny_max_positions(task: TaskConfig, max_new_tokens: int) -> int:
+    """The longest sequence the tiny model sees: the widest prompt ("<bos>a+b=") and the longer of
+    a rollout completion (max_new_tokens) and a warm-up answer (num_digits + 1 digits and EOS)."""
+    return task.prompt_width + max(max_new_tokens, task.num_digits + 2)
+
+
+def tiny_decoder_config(model: ModelConfig, codec: TextCodec, max_positions: int) -> DecoderConfig:
+    """The decoder config of the task's tiny model: the model section's shape, the tokenizer's
+    vocabulary and special ids."""
+    shape = model.shape(codec.vocab_size)
+    return DecoderConfig(
+        **{f.name: getattr(shape, f.name) for f in dataclasses.fields(shape)}, rope_theta=model.rope_theta,
+        max_position_embeddings=max_positions, bos_token_id=codec.bos_id, eos_token_id=codec.eos_id,
+        pad_token_id=codec.pad_id)
+
+
+@dataclass(frozen=True)
+class TinyPolicy:
+    """Policy v0 made by the warm-up: what storage/policies.py saves as an HF folder."""
+
+    hf_config: dict  # config.json
+    tokenizer_json: str
+    tensors: dict[str, torch.Tensor]  # HF names
+
+
+def tiny_base_policy(model: ModelConfig, warmup: WarmupConfig, task: TaskConfig, max_new_tokens: int,
+                     seed: int) -> TinyPolicy:
+    """The task's tiny model after ``warmup.steps`` supervised steps (deterministic in its inputs)."""
+    tokenizer_json = make_tokenizer_json()
+    codec = TextCodec.from_json(tokenizer_json)
+    model_cfg = tiny_decoder_config(model, codec, tiny_max_positions(task, max_new_tokens))
+    pairs = warmup_pairs(seed, _WARMUP_PAIRS, task.num_digits)
+    tensors = supervised_warmup(model_cfg, codec, pairs, warmup.steps, warmup.batch_size, warmup.lr, seed)
+    return TinyPolicy(model_cfg.to_hf(), tokenizer_json, tensors)
+
+
+def decode_rows(codec: TextCodec, rows: dict[str, np.ndarray]) -> tuple[list[str], list[str]]:
+    """(prompt texts, completion texts) of stored rows (prompt_ids, prompt_len, tokens, length)."""
+    n = len(rows["length"])
+    prompts = [codec.decode(rows["prompt_ids"][i, : rows["prompt_len"][i]].tolist()) for i in range(n)]
+    completions = [codec.decode(rows["tokens"][i, : rows["length"][i]].tolist()) for i in range(n)]
+    return prompts, completions
+
+
+def score_rows(codec: TextCodec, rows: dict[str, np.ndarray], functions: list[str], timeout_s: float) -> ScoredGroups:
+    """Rewards of stored rows: decode them, then score with the named reward functions."""
+    prompts, completions = decode_rows(codec, rows)
+    return score_samples(prompts, completions, functions, timeout_s)
+
+
+def reward_statistics(reward: np.ndarray, length: np.ndarray, group_size: int) -> dict[str, float]:
+    """The step's reward metrics. reward, length: [num_samples], G rows per group contiguous.
+
+    reward_std is the population deviation (ddof=0) over the step; a zero-variance group (all G
+    rewards equal) has zero advantage and gives no learning signal."""
+    if len(reward) % group_size:
+        raise ValueError(f"{len(reward)} rewards do not form whole groups of {group_size}")
+    grouped = reward.reshape(-1, group_size)  # [num_groups, G]
+    return {"reward_mean": float(reward.mean()), "reward_std": float(reward.std()),
+            "zero_variance_groups": float((grouped.std(axis=1) == 0).sum()),
+            "completion_length_mean": float(length.mean())}
+
+
+def train_setup(train: TrainConfig, model_cfg: DecoderConfig, num_microbatches: int, temperature: float,
+                faults: tuple[InjectedFault, ...] = ()) -> TrainSetup:
+    """A training rank's setup: the train section, the model, the per-pipeline microbatch count
+    and the rollout temperature (the loss scores log-probs at the sampling temperature)."""
+    t = train
+    return TrainSetup(
+        model=model_cfg, pipeline_parallel_size=t.pipeline_model_parallel_size,
+        num_microbatches=num_microbatches, schedule=t.schedule,
+        virtual_stages=t.virtual_pipeline_model_parallel_size, data_parallel_size=t.data_parallel_size,
+        tensor_parallel_size=t.tensor_model_parallel_size, lr=t.lr, weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm,
+        loss=LossConfig(t.clip_eps_low, t.clip_eps_high, t.kl_beta, temperature),
+        logprob_chunk_tokens=t.logprob_chunk_tokens, timeout_s=t.timeout_s, faults=faults)

@@ -1,0 +1,130 @@
+"""The run folder: the one owner of every path of a run, and the run-level files written there.
+
+    <runs_dir>/<run_name>/
+        rollouts.zarr/        step groups (storage/rollouts.py)
+        policy/v<k>/          policy versions as HF folders (storage/policies.py)
+        timelines/step_<k>.json  Chrome traces of the training ranks
+        mlflow.db             MLflow tracking store (when mlflow.tracking_uri is unset)
+        mlartifacts/          MLflow artifacts
+        summary.json          the run's summary
+    <runs_dir>/_cache/        base policies shared by runs (or $GRPOFLOW_CACHE)
+
+Nothing else in the code base spells these names; flows, the CLI, tests and the notebook ask a
+:class:`RunFolder`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from storage.policies import PolicyStore
+from storage.rollouts import RolloutStore
+
+__all__ = ["CACHE_ENV", "RunFolderError", "RunFolder"]
+
+CACHE_ENV = "GRPOFLOW_CACHE"
+"""Environment variable naming a base-policy cache shared by every runs_dir (tests, CI)."""
+
+
+class RunFolderError(RuntimeError):
+    """A run-level file could not be written or read; the message names the file."""
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    """Absolute paths of one run; small and picklable, so Dask tasks carry it."""
+
+    root: str
+    """<runs_dir>/<run_name>, absolute."""
+    cache_root: str
+    """Where base policies made by the warm-up are cached across runs, absolute."""
+
+    @classmethod
+    def at(cls, runs_dir: str | Path, run_name: str, cache_dir: str | None = None) -> "RunFolder":
+        """The folder of run ``run_name`` under ``runs_dir``; the cache is ``cache_dir``, else
+        $GRPOFLOW_CACHE, else ``<runs_dir>/_cache``."""
+        runs = Path(runs_dir).resolve()
+        cache = cache_dir or os.environ.get(CACHE_ENV, "") or str(runs / "_cache")
+        return cls(str(runs / run_name), str(Path(cache).resolve()))
+
+    # -- paths ----------------------------------------------------------------------------------
+    @property
+    def rollouts(self) -> str:
+        return f"{self.root}/rollouts.zarr"
+
+    @property
+    def policies(self) -> str:
+        return f"{self.root}/policy"
+
+    @property
+    def timelines(self) -> str:
+        return f"{self.root}/timelines"
+
+    @property
+    def mlflow_db(self) -> str:
+        return f"{self.root}/mlflow.db"
+
+    @property
+    def tracking_uri(self) -> str:
+        """The default MLflow tracking URI: sqlite in the run folder."""
+        return f"sqlite:///{self.mlflow_db}"
+
+    @property
+    def artifacts(self) -> str:
+        return f"{self.root}/mlartifacts"
+
+    @property
+    def summary(self) -> str:
+        return f"{self.root}/summary.json"
+
+    def trace(self, step: int) -> str:
+        return f"{self.timelines}/step_{step}.json"
+
+    def base_policy_cache(self, key: str) -> str:
+        """The cached base policy made from everything hashed into ``key``."""
+        return f"{self.cache_root}/base-{key}"
+
+    # -- stores ---------------------------------------------------------------------------------
+    def rollout_store(self) -> RolloutStore:
+        return RolloutStore(self.rollouts)
+
+    def policy_store(self) -> PolicyStore:
+        return PolicyStore(self.policies)
+
+    # -- run-level files ------------------------------------------------------------------------
+    def create(self) -> "RunFolder":
+        """Make the folder and its timelines/ (idempotent)."""
+        try:
+            Path(self.timelines).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RunFolderError(f"cannot create the run folder {self.root}: {exc}") from exc
+        return self
+
+    def save_summary(self, summary: dict[str, Any]) -> str:
+        """Write summary.json; returns its path."""
+        return self._write_json(self.summary, summary, indent=1)
+
+    def load_summary(self) -> dict[str, Any]:
+        try:
+            return json.loads(Path(self.summary).read_text())
+        except Exception as exc:
+            raise RunFolderError(f"cannot read {self.summary}: {exc}") from exc
+
+    def save_trace(self, step: int, events: list[dict]) -> str:
+        """Write step ``step``'s Chrome trace (chrome://tracing, Perfetto); returns its path."""
+        return self._write_json(self.trace(step), {"traceEvents": events, "displayTimeUnit": "ms"})
+
+    def _write_json(self, path: str, data: Any, indent: int | None = None) -> str:
+        target = Path(path)
+        tmp = target.with_suffix(target.suffix + ".tmp")
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(data, indent=indent))
+            os.replace(tmp, target)  # a reader never sees a half-written file
+        except Exception as exc:
+            raise RunFolderError(f"cannot write {path}: {exc}") from exc
+        return str(target)

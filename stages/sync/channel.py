@@ -1,0 +1,419 @@
+"""In-memory weight sync from the training pipeline ranks to the rollout engines.
+
+Topology. P *sources* (the training ranks with dp = tp = 0, one per pipeline rank) and E engines.
+Each source p has a process group of its own, {source p (group rank 0), engine 0 .. E-1 (group
+ranks 1 .. E)}: every source broadcasts its shard in its own group, so the P shards travel
+concurrently and no training rank receives another's bytes. An engine joins all P groups and
+receives straight into one preallocated buffer per source.
+
+Rendezvous. Pipeline rank 0 hosts a TCPStore at ``init_method`` (a port of its own, not the
+training world's). ``connect`` posts this side's signature (HF names, shapes, dtypes, backend)
+there, waits up to ``timeout_s`` for every other side's, and plans the sync
+(stages/sync/plan.py): on disagreement every side raises the same SignatureMismatchError. The
+groups are then built directly as ProcessGroupGloo / ProcessGroupNCCL objects on a PrefixStore,
+not through ``init_process_group``: a training rank already belongs to the training world and an
+engine to none, and such a group needs neither.
+
+One sync, in every group: a header (int64 [magic, sync index, policy version, plan digest,
+status]), the buckets of the source's byte stream, then, with ``verify``, the sha256 of each
+tensor the source owns. The engine checks that every source sent the same version and the agreed
+plan, checks every tensor's digest against the bytes it received, and tags the result with the
+version and the content hash (:func:`stages.sync.plan.state_digest` of the whole state dict).
+
+Failing loudly. Every wait is bounded: store waits by ``timeout_s``, gloo operations by the
+group's timeout, NCCL ones by its watchdog. A peer that dies closes its sockets and the others
+fail at once; one that stalls makes them fail at the timeout. A failed endpoint refuses later
+calls: reconnect under a new ``channel`` name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal, Mapping, Optional, Sequence
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+from stages.sync.plan import (SyncPlan, TensorSpec, combine_digests, plan_sync, tensor_digest, tensor_specs)
+
+__all__ = ["WeightSyncConfig", "WeightSyncError", "PolicyTag", "SyncStats", "WeightSender", "WeightReceiver",
+           "DEFAULT_SYNC_BUCKET_BYTES"]
+
+DEFAULT_SYNC_BUCKET_BYTES = 32 * 2**20  # a few buckets per GB, bounded staging memory on the sender
+_MAGIC = 0x5359_4E43_4750_52  # "GRPGCNYS": a header, not stray bytes of another stream
+_OK, _REFUSED = 0, 1
+_DIGEST_BYTES = 32  # sha256
+_IN_FLIGHT = 2  # a sender fills one staging buffer while the other is on the wire
+_STORE_PREFIX = "grpoflow-sync"
+
+log = logging.getLogger(__name__)
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync could not complete; the message names the sync, the peer and the cause."""
+
+
+@dataclass(frozen=True)
+class WeightSyncConfig:
+    """One weight-sync channel, the same on every training rank and engine that joins it."""
+
+    init_method: str
+    """tcp://host:port of the channel's rendezvous store; pipeline rank 0 hosts it."""
+    num_sources: int
+    """Pipeline ranks that send (train.pipeline_model_parallel_size)."""
+    num_engines: int
+    """Rollout engines that receive."""
+    bucket_bytes: int = DEFAULT_SYNC_BUCKET_BYTES
+    """Largest broadcast; a sender stages at most two buckets at a time."""
+    timeout_s: float = 60.0
+    """Bound of every wait: the signature exchange, each broadcast."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """auto: nccl where the tensors are on CUDA, gloo otherwise."""
+    verify: bool = True
+    """Send and check a sha256 per tensor; the engine's version tag then carries the content hash."""
+    channel: str = "weights"
+    """Name of the channel in the store; a reconnect after a failure takes a new one."""
+
+    def __post_init__(self) -> None:
+        url = urlparse(self.init_method)
+        if url.scheme != "tcp" or not url.hostname or not url.port:
+            raise ValueError(f"sync.init_method={self.init_method!r} must look like tcp://host:port")
+        if self.num_sources < 1 or self.num_engines < 1:
+            raise ValueError(f"sync needs at least one source and one engine, got num_sources={self.num_sources}, "
+                             f"num_engines={self.num_engines}")
+        if self.bucket_bytes < 2**10:
+            raise ValueError(f"sync.bucket_bytes={self.bucket_bytes} is below 1 KiB; use e.g. {DEFAULT_SYNC_BUCKET_BYTES}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"sync.timeout_s={self.timeout_s} must be positive")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"sync.backend={self.backend!r} must be auto, gloo or nccl")
+        if not self.channel or "/" in self.channel:
+            raise ValueError(f"sync.channel={self.channel!r} must be a non-empty name without '/'")
+
+    @property
+    def timeout(self) -> timedelta:
+        return timedelta(seconds=self.timeout_s)
+
+
+@dataclass(frozen=True)
+class PolicyTag:
+    """Which policy an engine holds: its version and content hash ("" when not verified)."""
+
+    version: int
+    content_hash: str = ""
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    """One side's view of one sync. ``seconds`` runs from the call to its return, waiting for the
+    peers included; ``hash_seconds`` is the part spent hashing."""
+
+    version: int
+    num_bytes: int
+    """Tensor bytes this side sent (a source) or received (an engine), padding excluded."""
+    num_buckets: int
+    seconds: float
+    hash_seconds: float = 0.0
+
+    @property
+    def gib_per_s(self) -> float:
+        return self.num_bytes / 2**30 / max(self.seconds, 1e-9)
+
+
+# -- connection ---------------------------------------------------------------------------------------
+def _resolve_backend(cfg: WeightSyncConfig, device: torch.device) -> str:
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    if backend == "nccl" and (device.type != "cuda" or not dist.is_nccl_available()):
+        raise ValueError(f"sync.backend=nccl needs CUDA tensors and an NCCL build (tensors on {device}); "
+                         "use gloo")
+    return backend
+
+
+def _open_store(cfg: WeightSyncConfig, host: bool) -> dist.Store:
+    url = urlparse(cfg.init_method)
+    try:
+        store = dist.TCPStore(url.hostname, url.port, cfg.num_sources + cfg.num_engines, is_master=host,
+                              timeout=cfg.timeout, wait_for_workers=False)
+    except Exception as exc:
+        raise WeightSyncError(f"weight sync channel {cfg.channel!r}: cannot reach the store at {cfg.init_method} "
+                              f"within {cfg.timeout_s} s (pipeline rank 0 hosts it): {exc}") from exc
+    return dist.PrefixStore(f"{_STORE_PREFIX}/{cfg.channel}/", store)
+
+
+def _join(cfg: WeightSyncConfig, store: dist.Store, me: str, specs: list[TensorSpec], backend: str) -> SyncPlan:
+    """Post this side's signature, read everyone's, and plan (the same plan, or the same error, on
+    every side)."""
+    sources = [f"pp={p}" for p in range(cfg.num_sources)]
+    engines = [f"engine {e}" for e in range(cfg.num_engines)]
+    keys = [f"join/{who}" for who in sources + engines]
+    store.set(f"join/{me}", json.dumps({"specs": specs, "backend": backend}))
+    try:
+        store.wait(keys, cfg.timeout)
+    except Exception as exc:
+        missing = [k.removeprefix("join/") for k in keys if not store.check([k])]
+        raise WeightSyncError(f"weight sync channel {cfg.channel!r}: {', '.join(missing) or 'a peer'} did not join "
+                              f"within {cfg.timeout_s} s; start a sender on every pipeline rank (dp=tp=0) and a "
+                              "receiver on every engine, with the same sync config") from exc
+    table = {k.removeprefix("join/"): json.loads(store.get(k)) for k in keys}
+    # The store's host may leave as soon as it has planned (a mismatch ends every side): it first
+    # waits, bounded, until every side has read the table too.
+    store.set(f"read/{me}", "1")
+    if me == sources[0]:
+        try:
+            store.wait([f"read/{who}" for who in sources + engines], cfg.timeout)
+        except Exception:
+            log.warning("weight sync channel %r: not every side read the signatures", cfg.channel)
+
+    def specs_of(who: str) -> list[TensorSpec]:
+        return [(n, tuple(shape), dtype) for n, shape, dtype in table[who]["specs"]]
+
+    return plan_sync([specs_of(w) for w in sources], [specs_of(w) for w in engines], cfg.bucket_bytes,
+                     {w: table[w]["backend"] for w in sources + engines})
+
+
+def _new_group(backend: str, store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, size, opts)
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor (a view when it is contiguous)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else 'no message'}"
+
+
+class _Endpoint:
+    def __init__(self, cfg: WeightSyncConfig, plan: SyncPlan, store: dist.Store, groups: dict[int, dist.ProcessGroup],
+                 device: torch.device, where: str):
+        self.cfg, self.plan, self.device, self.where = cfg, plan, device, where
+        self._store, self._groups = store, groups  # the store host keeps serving while this lives
+        self._syncs = 0
+        self._failed: Optional[str] = None
+
+    @property
+    def syncs_done(self) -> int:
+        return self._syncs
+
+    def _usable(self) -> None:
+        if self._failed:
+            raise WeightSyncError(f"{self.where}: this weight sync channel failed earlier ({self._failed}); "
+                                  "reconnect under a new sync channel name")
+
+    def _fail(self, message: str) -> WeightSyncError:
+        self._failed = message
+        return WeightSyncError(f"{self.where}: {message}")
+
+    def _broadcast(self, source: int, tensor: torch.Tensor) -> dist.Work:
+        return self._groups[source].broadcast([tensor], dist.BroadcastOptions())
+
+    def _sync_clock(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        """Drop the groups (a peer blocked on them fails at its timeout or at once)."""
+        self._groups.clear()
+        self._failed = self._failed or "closed"
+
+
+# -- the training side --------------------------------------------------------------------------------
+class WeightSender(_Endpoint):
+    """Pipeline rank ``pp_rank``'s end of the channel: broadcasts the tensors it owns."""
+
+    @classmethod
+    def connect(cls, cfg: WeightSyncConfig, pp_rank: int, tensors: Mapping[str, torch.Tensor]) -> "WeightSender":
+        """Join the channel with this rank's HF-named tensors (names, shapes, dtypes and device are
+        what counts; later syncs send tensors of the same signature)."""
+        if not 0 <= pp_rank < cfg.num_sources:
+            raise ValueError(f"pp_rank={pp_rank} is outside the channel's {cfg.num_sources} sources")
+        devices = {t.device for t in tensors.values()}
+        if len(devices) > 1:
+            raise ValueError(f"pp={pp_rank} holds tensors on several devices {sorted(map(str, devices))}; "
+                             "send from one device")
+        device = devices.pop() if devices else torch.device("cpu")
+        backend = _resolve_backend(cfg, device)
+        store = _open_store(cfg, host=pp_rank == 0)
+        plan = _join(cfg, store, f"pp={pp_rank}", tensor_specs(tensors), backend)
+        where = f"weight sync sender pp={pp_rank}"
+        try:
+            group = _new_group(backend, dist.PrefixStore(f"pg{pp_rank}/", store), 0, 1 + cfg.num_engines, cfg.timeout)
+        except Exception as exc:
+            raise WeightSyncError(f"{where}: the engines did not join its group within {cfg.timeout_s} s: "
+                                  f"{_first_line(exc)}") from exc
+        sender = cls(cfg, plan, store, {pp_rank: group}, device, where)
+        sender.pp_rank, sender._specs = pp_rank, tensor_specs(tensors)
+        source = plan.sources[pp_rank]
+        slot_bytes = min(cfg.bucket_bytes, source.stream_bytes)
+        sender._staging = [torch.zeros(slot_bytes, dtype=torch.uint8, device=device) for _ in range(_IN_FLIGHT)]
+        return sender
+
+    def send(self, tensors: Mapping[str, torch.Tensor], version: int) -> SyncStats:
+        """Broadcast this rank's shard of policy ``version``; every engine must be receiving."""
+        self._usable()
+        t0 = time.perf_counter()
+        n, source = self._syncs, self.plan.sources[self.pp_rank]
+        specs = tensor_specs(tensors)
+        refused = None
+        if specs != self._specs:
+            now, then = set(specs) - set(self._specs), set(self._specs) - set(specs)
+            refused = (f"sync {n}: its tensors differ from those it connected with (now {sorted(now)[:1]}, "
+                       f"then {sorted(then)[:1]}); send the same HF names, shapes and dtypes every time")
+        header = torch.tensor([_MAGIC, n, version, self.plan.digest, _REFUSED if refused else _OK],
+                              dtype=torch.int64, device=self.device)
+        self._wait(self._broadcast(self.pp_rank, header), f"sync {n} (v{version}): the header")
+        if refused:
+            raise self._fail(refused)
+        flats = [_byte_view(tensors[name]) for name, _, _ in source.specs]
+        pending: deque = deque()
+        staged = 0
+        for b in range(source.num_buckets):
+            if len(pending) >= _IN_FLIGHT:
+                self._wait(pending.popleft(), f"sync {n} (v{version}): bucket {b - _IN_FLIGHT}")
+            lo, hi = source.bucket_range(b)
+            segments = source.segments(b)
+            if len(segments) == 1 and segments[0][2] == hi - lo:  # inside one tensor: send its bytes in place
+                i, start, count = segments[0]
+                buf = flats[i][start:start + count]
+            else:
+                buf = self._staging[staged % _IN_FLIGHT][: hi - lo]
+                staged += 1
+                for i, start, count in segments:
+                    at = source.offsets[i] + start - lo
+                    buf[at:at + count].copy_(flats[i][start:start + count])
+            pending.append(self._broadcast(self.pp_rank, buf))
+        t_hash = time.perf_counter()
+        digests = [tensor_digest(tensors[name]) for name, _, _ in source.specs] if self.cfg.verify else []
+        hash_s = time.perf_counter() - t_hash
+        while pending:
+            self._wait(pending.popleft(), f"sync {n} (v{version}): the last buckets")
+        if digests:
+            table = torch.frombuffer(bytearray(b"".join(digests)), dtype=torch.uint8).to(self.device)
+            self._wait(self._broadcast(self.pp_rank, table), f"sync {n} (v{version}): the digests")
+        self._sync_clock()
+        self._syncs += 1
+        return SyncStats(version, source.payload_bytes, source.num_buckets, time.perf_counter() - t0, hash_s)
+
+    def _wait(self, work: dist.Work, what: str) -> None:
+        try:
+            work.wait()
+        except Exception as exc:
+            raise self._fail(f"sending {what} to the engines failed: {_first_line(exc)}") from exc
+
+
+# -- the rollout side ---------------------------------------------------------------------------------
+class WeightReceiver(_Endpoint):
+    """Engine ``engine_index``'s end of the channel: receives every source's shard."""
+
+    @classmethod
+    def connect(cls, cfg: WeightSyncConfig, engine_index: int,
+                expected: Mapping[str, torch.Tensor] | Sequence[TensorSpec],
+                device: torch.device | str = "cpu") -> "WeightReceiver":
+        """Join the channel expecting the HF-named tensors of the engine's whole model (a state dict
+        or its specs); received tensors live on ``device``."""
+        if not 0 <= engine_index < cfg.num_engines:
+            raise ValueError(f"engine_index={engine_index} is outside the channel's {cfg.num_engines} engines")
+        device = torch.device(device)
+        specs = tensor_specs(expected) if isinstance(expected, Mapping) else sorted(expected)
+        backend = _resolve_backend(cfg, device)
+        store = _open_store(cfg, host=False)
+        plan = _join(cfg, store, f"engine {engine_index}", specs, backend)
+        where = f"weight sync receiver engine {engine_index}"
+        groups = {}
+        for p in range(cfg.num_sources):
+            try:
+                groups[p] = _new_group(backend, dist.PrefixStore(f"pg{p}/", store), 1 + engine_index,
+                                       1 + cfg.num_engines, cfg.timeout)
+            except Exception as exc:
+                raise WeightSyncError(f"{where}: the group of pp={p} did not form within {cfg.timeout_s} s: "
+                                      f"{_first_line(exc)}") from exc
+        receiver = cls(cfg, plan, store, groups, device, where)
+        receiver._buffers = [torch.empty(s.stream_bytes, dtype=torch.uint8, device=device) for s in plan.sources]
+        receiver._views = {}
+        for s, buf in zip(plan.sources, receiver._buffers):
+            for (name, shape, dtype), off in zip(s.specs, s.offsets):
+                nbytes = torch.Size(shape).numel() * getattr(torch, dtype).itemsize
+                receiver._views[name] = buf[off:off + nbytes].view(getattr(torch, dtype)).view(shape)
+        return receiver
+
+    def receive(self) -> tuple[PolicyTag, dict[str, torch.Tensor], SyncStats]:
+        """The next policy version: its tag, the whole HF-named state dict and the stats.
+
+        The tensors are views of the receiver's buffers: load or copy them before the next call.
+        """
+        self._usable()
+        t0 = time.perf_counter()
+        n, sources = self._syncs, self.plan.sources
+        headers = [torch.zeros(5, dtype=torch.int64, device=self.device) for _ in sources]
+        works = [self._broadcast(s.source, h) for s, h in zip(sources, headers)]
+        for s, w in zip(sources, works):
+            self._wait(w, s.source, f"sync {n}: the header")
+        version = self._check_headers([h.tolist() for h in headers], n)
+        works = []
+        for s, buf in zip(sources, self._buffers):
+            for b in range(s.num_buckets):
+                lo, hi = s.bucket_range(b)
+                works.append((s.source, b, self._broadcast(s.source, buf[lo:hi])))
+        tables = []
+        if self.cfg.verify:  # queued behind the buckets of each group
+            tables = [torch.zeros(len(s.specs) * _DIGEST_BYTES, dtype=torch.uint8, device=self.device)
+                      for s in sources]
+            works += [(s.source, -1, self._broadcast(s.source, t)) for s, t in zip(sources, tables) if s.specs]
+        for p, b, w in works:
+            self._wait(w, p, f"sync {n} (v{version}): " + (f"bucket {b}" if b >= 0 else "the digests"))
+        self._sync_clock()
+        tag, hash_s = PolicyTag(version), 0.0
+        if self.cfg.verify:
+            t_hash = time.perf_counter()
+            tag = PolicyTag(version, self._verify(n, version, tables))
+            hash_s = time.perf_counter() - t_hash
+        self._syncs += 1
+        stats = SyncStats(version, self.plan.payload_bytes, self.plan.num_buckets, time.perf_counter() - t0, hash_s)
+        return tag, dict(self._views), stats
+
+    def _check_headers(self, headers: list[list[int]], n: int) -> int:
+        for s, (magic, index, version, digest, status) in zip(self.plan.sources, headers):
+            if magic != _MAGIC or digest != self.plan.digest:
+                raise self._fail(f"sync {n}: pp={s.source} sent a header of another plan or protocol; "
+                                 "every side must connect with the same sync config")
+            if status == _REFUSED:
+                raise self._fail(f"sync {n}: pp={s.source} refused to send v{version}: its tensors differ from "
+                                 "those it connected with")
+            if index != n:
+                raise self._fail(f"sync {n}: pp={s.source} sends its sync {index}; a side skipped a sync")
+        versions = {h[2] for h in headers}
+        if len(versions) > 1:
+            listed = ", ".join(f"pp={s.source} v{h[2]}" for s, h in zip(self.plan.sources, headers))
+            raise self._fail(f"sync {n}: the pipeline ranks send different policy versions ({listed})")
+        return versions.pop()
+
+    def _verify(self, n: int, version: int, tables: list[torch.Tensor]) -> str:
+        specs, digests = [], []
+        for s, table in zip(self.plan.sources, tables):
+            sent = table.cpu().numpy().tobytes()
+            for i, spec in enumerate(s.specs):
+                got = tensor_digest(self._views[spec[0]])
+                if got != sent[i * _DIGEST_BYTES:(i + 1) * _DIGEST_BYTES]:
+                    raise self._fail(f"sync {n} (v{version}): {spec[0]} from pp={s.source} arrived corrupted "
+                                     "(sha256 differs)")
+                specs.append(spec)
+                digests.append(got)
+        return combine_digests(specs, digests)
+
+    def _wait(self, work: dist.Work, source: int, what: str) -> None:
+        try:
+            work.wait()
+        except Exception as exc:
+            raise self._fail(f"receiving {what} from pp={source} failed: {_first_line(exc)}") from exc

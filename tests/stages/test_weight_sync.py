@@ -1,0 +1,206 @@
+"""In-memory weight sync: two pipeline ranks of a tiny decoder broadcast to one engine (gloo, local
+processes). After a sync the engine's weights equal the trainers' bit for bit; a signature
+mismatch or a dying sender ends every side within the timeout; a wrong version is refused."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as tmp
+
+from conftest import make_decoder_config, make_model
+from stages.policy import build_stage, hf_state, load_hf_state
+from stages.rollout import SamplingParams
+from stages.sync import (PolicyTag, PolicyVersionError, SignatureMismatchError, VersionedEngine, WeightReceiver,
+                         WeightSender, WeightSyncConfig, plan_sync, state_digest, tensor_specs)
+from stages.sync.channel import _Endpoint
+from stages.train.local import free_port
+
+TIMEOUT_S = 4.0
+SLACK_S = 4.0  # a loaded 2-core machine: process start-up, scheduling
+_START_S = 30.0  # forkserver start and imports, on top of the timeouts
+
+
+# -- the process harness ------------------------------------------------------------------------------
+def _child(index: int, fn, args: tuple, results) -> None:
+    torch.set_num_threads(1)
+    t0 = time.monotonic()
+    try:
+        out = {"value": fn(*args), "error": None}
+    except Exception as exc:
+        out = {"value": None, "error": f"{type(exc).__name__}: {exc}"}
+    out["seconds"] = time.monotonic() - t0
+    # Plain pickle: tensors travel as bytes, not as shared memory that dies with this process.
+    results.put((index, pickle.dumps(out)))
+
+
+def _run(targets: list[tuple], limit_s: float) -> list[dict | None]:
+    """Run fn(*args) of each target in its own process; None for a process that returned nothing."""
+    ctx = tmp.get_context("forkserver")
+    ctx.set_forkserver_preload(["stages.sync", "stages.policy"])
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_child, args=(i, fn, args, results)) for i, (fn, args) in enumerate(targets)]
+    for p in procs:
+        p.start()
+    out: dict[int, dict] = {}
+    deadline = time.monotonic() + limit_s
+    while len(out) < len(procs) and time.monotonic() < deadline:
+        try:
+            i, result = results.get(timeout=0.2)
+            out[i] = pickle.loads(result)
+        except queue.Empty:
+            if not any(p.is_alive() for p in procs) and results.empty():
+                break
+    for p in procs:
+        p.join(timeout=max(0.1, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+    return [out.get(i) for i in range(len(procs))]
+
+
+def _config(num_engines: int = 1, bucket_bytes: int = 3000) -> WeightSyncConfig:
+    return WeightSyncConfig(f"tcp://127.0.0.1:{free_port()}", num_sources=2, num_engines=num_engines,
+                            bucket_bytes=bucket_bytes, timeout_s=TIMEOUT_S)
+
+
+# -- process bodies -----------------------------------------------------------------------------------
+def _trainer(cfg: WeightSyncConfig, model_cfg, pp: int, versions: list[dict], die_after: int | None = None):
+    """Pipeline rank ``pp`` of a 2-stage split: load each version's weights, send it."""
+    stage = build_stage(model_cfg, pp, 2)
+    load_hf_state(stage, versions[0])
+    sender = WeightSender.connect(cfg, pp, hf_state(stage))
+    if die_after is not None:  # the process ends abruptly after that many broadcasts
+        calls, broadcast = [0], _Endpoint._broadcast
+
+        def dying(self, source, tensor):
+            calls[0] += 1
+            if calls[0] > die_after:
+                os._exit(3)
+            return broadcast(self, source, tensor)
+
+        _Endpoint._broadcast = dying
+    stats = []
+    for v, full in enumerate(versions, start=1):
+        load_hf_state(stage, full)
+        stats.append(sender.send(hf_state(stage), version=v))
+    return stats
+
+
+def _engine(cfg: WeightSyncConfig, model_cfg, num_syncs: int):
+    engine = VersionedEngine(make_model(model_cfg, seed=99))
+    receiver = WeightReceiver.connect(cfg, 0, hf_state(engine.model))
+    out = []
+    for _ in range(num_syncs):
+        stats = engine.sync(receiver)
+        refused = None
+        try:
+            engine.require(engine.tag.version - 1)
+        except PolicyVersionError as exc:
+            refused = str(exc)
+        out.append((engine.tag, hf_state(engine.model), stats, refused))
+    return out
+
+
+# -- tests --------------------------------------------------------------------------------------------
+def test_engine_holds_the_trainers_weights_bit_for_bit():
+    model_cfg = make_decoder_config(tie_word_embeddings=True)  # the tied embedding sits on both pp ranks
+    versions = [hf_state(make_model(model_cfg, seed=s)) for s in (1, 2)]
+    cfg = _config()
+    out = _run([(_trainer, (cfg, model_cfg, 0, versions)), (_trainer, (cfg, model_cfg, 1, versions)),
+                (_engine, (cfg, model_cfg, 2))], limit_s=_START_S + 4 * TIMEOUT_S)
+    assert all(o is not None and o["error"] is None for o in out), out
+    s0, s1, (r0, r1) = out[0]["value"], out[1]["value"], out[2]["value"]
+    for v, (full, (tag, state, stats, refused)) in enumerate(zip(versions, (r0, r1)), start=1):
+        assert state.keys() == full.keys()
+        assert all(torch.equal(state[k], full[k]) for k in full)
+        assert tag == PolicyTag(v, state_digest(full))
+        payload = sum(t.numel() * t.element_size() for t in full.values())
+        assert stats.num_bytes == payload  # the embedding once, though two ranks hold it
+        assert s0[v - 1].num_bytes + s1[v - 1].num_bytes == payload
+        assert stats.num_buckets == s0[v - 1].num_buckets + s1[v - 1].num_buckets >= payload // 3000
+        assert refused == f"the step asks for policy v{v - 1}, the rollout engine holds v{v}: sync v{v - 1} " \
+                          "to the engine before generating"
+
+
+def test_a_signature_mismatch_fails_every_side_with_the_same_message():
+    model_cfg = make_decoder_config()
+    versions = [hf_state(make_model(model_cfg, seed=1))]
+    cfg = _config()
+    out = _run([(_trainer, (cfg, model_cfg, 0, versions)), (_trainer, (cfg, model_cfg, 1, versions)),
+                (_engine, (cfg, make_decoder_config(intermediate_size=40), 1))], limit_s=_START_S + 2 * TIMEOUT_S)
+    errors = [o["error"] for o in out]
+    assert all(e is not None and e.startswith("SignatureMismatchError") for e in errors), errors
+    assert len(set(errors)) == 1 and "\n" not in errors[0]
+    assert "pp=0 sends model.layers.0.mlp.down_proj.weight as [32, 48] float32, the engines expect [32, 40] " \
+           "float32" in errors[0]
+    assert all(o["seconds"] < TIMEOUT_S + SLACK_S for o in out), [o["seconds"] for o in out]
+
+
+def test_a_sender_dying_mid_sync_fails_the_engine_within_the_timeout():
+    model_cfg = make_decoder_config()
+    versions = [hf_state(make_model(model_cfg, seed=1))]
+    cfg = _config(bucket_bytes=1024)
+    out = _run([(_trainer, (cfg, model_cfg, 0, versions)), (_trainer, (cfg, model_cfg, 1, versions, 4)),
+                (_engine, (cfg, model_cfg, 1))], limit_s=_START_S + 3 * TIMEOUT_S)
+    assert out[1] is None  # pp=1 died after its header and three buckets
+    engine = out[2]
+    assert engine is not None and engine["error"].startswith("WeightSyncError: weight sync receiver engine 0: "
+                                                             "receiving sync 0 (v1): bucket "), engine
+    assert "from pp=1 failed" in engine["error"]
+    assert engine["seconds"] < TIMEOUT_S + SLACK_S
+    assert out[0] is not None and out[0]["seconds"] < 2 * TIMEOUT_S + SLACK_S  # pp=0 ends too, whatever it saw
+
+
+def test_the_engine_refuses_a_version_it_does_not_hold():
+    model_cfg = make_decoder_config()
+    engine = VersionedEngine(make_model(model_cfg, seed=0))
+    with pytest.raises(PolicyVersionError, match="^the step asks for policy v0, the rollout engine holds no policy"):
+        engine.require(0)
+    new = hf_state(make_model(model_cfg, seed=5))
+    engine.load(new, PolicyTag(3, state_digest(new)))
+    params = SamplingParams(group_size=2, max_new_tokens=3)
+    with pytest.raises(PolicyVersionError, match=r"^the step asks for policy v4, the rollout engine holds v3: "):
+        engine.generate(4, [[1, 5, 6]], params, torch.Generator().manual_seed(0))
+    batch = engine.generate(3, [[1, 5, 6]], params, torch.Generator().manual_seed(0))
+    assert batch.tokens.shape == (2, 3)
+    assert all(torch.equal(t, new[k]) for k, t in hf_state(engine.model).items())
+    broken = {k: v for k, v in new.items() if k != "lm_head.weight"}
+    with pytest.raises(ValueError, match="lacks 1 tensors"):
+        engine.load(broken, PolicyTag(4))
+    assert engine.tag is None  # half-loaded weights hold no version
+    with pytest.raises(PolicyVersionError, match="holds no policy"):
+        engine.require(3)
+
+
+# -- the plan, in-process -----------------------------------------------------------------------------
+def test_buckets_cover_every_byte_once_and_the_tied_embedding_is_sent_once():
+    model_cfg = make_decoder_config(tie_word_embeddings=True)
+    full = hf_state(make_model(model_cfg))
+    shards = []
+    for pp in range(2):
+        stage = build_stage(model_cfg, pp, 2)
+        load_hf_state(stage, full)
+        shards.append(tensor_specs(hf_state(stage)))
+    assert "model.embed_tokens.weight" in {s[0] for s in shards[1]}  # the last stage's tied head
+    plan = plan_sync(shards, [tensor_specs(full)], bucket_bytes=1000)
+    assert "model.embed_tokens.weight" not in {s[0] for s in plan.sources[1].specs}
+    assert plan.payload_bytes == sum(t.numel() * 4 for t in full.values())
+    for src in plan.sources:
+        covered = {i: 0 for i in range(len(src.specs))}
+        for b in range(src.num_buckets):
+            lo, hi = src.bucket_range(b)
+            assert 0 < hi - lo <= 1000
+            for i, start, count in src.segments(b):
+                assert start == covered[i] and src.offsets[i] + start >= lo  # in order, inside the bucket
+                covered[i] += count
+        sizes = [torch.Size(shape).numel() * 4 for _, shape, _ in src.specs]
+        assert list(covered.values()) == sizes and all(off % 16 == 0 for off in src.offsets)
+    with pytest.raises(SignatureMismatchError, match="which no training rank holds"):
+        plan_sync([shards[0]], [tensor_specs(full)], bucket_bytes=1000)
+    with pytest.raises(SignatureMismatchError, match="backends differ"):
+        plan_sync(shards, [tensor_specs(full)], 1000, {"pp=0": "gloo", "engine 0": "nccl"})

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import socket
 import time
 
 import pytest
@@ -19,7 +20,6 @@ from stages.rollout import SamplingParams
 from stages.sync import (PolicyTag, PolicyVersionError, SignatureMismatchError, VersionedEngine, WeightReceiver,
                          WeightSender, WeightSyncConfig, plan_sync, state_digest, tensor_specs)
 from stages.sync.channel import _Endpoint
-from stages.train.local import free_port
 
 TIMEOUT_S = 4.0
 SLACK_S = 4.0  # a loaded 2-core machine: process start-up, scheduling
@@ -27,6 +27,12 @@ _START_S = 30.0  # forkserver start and imports, on top of the timeouts
 
 
 # -- the process harness ------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _child(index: int, fn, args: tuple, results) -> None:
     torch.set_num_threads(1)
     t0 = time.monotonic()
@@ -64,7 +70,7 @@ def _run(targets: list[tuple], limit_s: float) -> list[dict | None]:
 
 
 def _config(num_engines: int = 1, bucket_bytes: int = 3000) -> WeightSyncConfig:
-    return WeightSyncConfig(f"tcp://127.0.0.1:{free_port()}", num_sources=2, num_engines=num_engines,
+    return WeightSyncConfig(f"tcp://127.0.0.1:{_free_port()}", num_sources=2, num_engines=num_engines,
                             bucket_bytes=bucket_bytes, timeout_s=TIMEOUT_S)
 
 

@@ -28,6 +28,7 @@ calls: reconnect under a new ``channel`` name.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -40,7 +41,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
-from stages.sync.plan import (SyncPlan, TensorSpec, combine_digests, plan_sync, tensor_digest, tensor_specs)
+from stages.sync.plan import SyncPlan, TensorSpec, combine_digests, plan_sync, tensor_specs
 
 __all__ = ["WeightSyncConfig", "WeightSyncError", "PolicyTag", "SyncStats", "WeightSender", "WeightReceiver",
            "DEFAULT_SYNC_BUCKET_BYTES"]
@@ -190,6 +191,25 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
+class _StreamHash:
+    """sha256 of each tensor of a source, fed bucket by bucket while later buckets are on the
+    wire; a tensor's segments arrive in order, so the result is :func:`tensor_digest`."""
+
+    def __init__(self, count: int):
+        self.hashers = [hashlib.sha256() for _ in range(count)]
+        self.seconds = 0.0
+
+    def update(self, segments: list[tuple[int, int, int]], byte_views: list[torch.Tensor]) -> None:
+        t0 = time.perf_counter()
+        for i, start, count in segments:
+            part = byte_views[i][start:start + count]
+            self.hashers[i].update(memoryview(part.cpu().numpy()))
+        self.seconds += time.perf_counter() - t0
+
+    def digests(self) -> list[bytes]:
+        return [h.digest() for h in self.hashers]
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else 'no message'}"
@@ -277,6 +297,7 @@ class WeightSender(_Endpoint):
         if refused:
             raise self._fail(refused)
         flats = [_byte_view(tensors[name]) for name, _, _ in source.specs]
+        hashes = _StreamHash(len(source.specs))
         pending: deque = deque()
         staged = 0
         for b in range(source.num_buckets):
@@ -294,17 +315,17 @@ class WeightSender(_Endpoint):
                     at = source.offsets[i] + start - lo
                     buf[at:at + count].copy_(flats[i][start:start + count])
             pending.append(self._broadcast(self.pp_rank, buf))
-        t_hash = time.perf_counter()
-        digests = [tensor_digest(tensors[name]) for name, _, _ in source.specs] if self.cfg.verify else []
-        hash_s = time.perf_counter() - t_hash
+            if self.cfg.verify:  # while this bucket is on the wire
+                hashes.update(segments, flats)
         while pending:
             self._wait(pending.popleft(), f"sync {n} (v{version}): the last buckets")
-        if digests:
-            table = torch.frombuffer(bytearray(b"".join(digests)), dtype=torch.uint8).to(self.device)
+        if self.cfg.verify and source.specs:
+            table = torch.frombuffer(bytearray(b"".join(hashes.digests())), dtype=torch.uint8).to(self.device)
             self._wait(self._broadcast(self.pp_rank, table), f"sync {n} (v{version}): the digests")
         self._sync_clock()
         self._syncs += 1
-        return SyncStats(version, source.payload_bytes, source.num_buckets, time.perf_counter() - t0, hash_s)
+        return SyncStats(version, source.payload_bytes, source.num_buckets, time.perf_counter() - t0,
+                         hashes.seconds)
 
     def _wait(self, work: dist.Work, what: str) -> None:
         try:
@@ -341,10 +362,12 @@ class WeightReceiver(_Endpoint):
                                       f"{_first_line(exc)}") from exc
         receiver = cls(cfg, plan, store, groups, device, where)
         receiver._buffers = [torch.empty(s.stream_bytes, dtype=torch.uint8, device=device) for s in plan.sources]
-        receiver._views = {}
+        receiver._views, receiver._byte_views = {}, []
         for s, buf in zip(plan.sources, receiver._buffers):
+            receiver._byte_views.append([])
             for (name, shape, dtype), off in zip(s.specs, s.offsets):
                 nbytes = torch.Size(shape).numel() * getattr(torch, dtype).itemsize
+                receiver._byte_views[-1].append(buf[off:off + nbytes])
                 receiver._views[name] = buf[off:off + nbytes].view(getattr(torch, dtype)).view(shape)
         return receiver
 
@@ -371,16 +394,18 @@ class WeightReceiver(_Endpoint):
             tables = [torch.zeros(len(s.specs) * _DIGEST_BYTES, dtype=torch.uint8, device=self.device)
                       for s in sources]
             works += [(s.source, -1, self._broadcast(s.source, t)) for s, t in zip(sources, tables) if s.specs]
+        hashes = [_StreamHash(len(s.specs)) for s in sources]
         for p, b, w in works:
             self._wait(w, p, f"sync {n} (v{version}): " + (f"bucket {b}" if b >= 0 else "the digests"))
+            if self.cfg.verify and b >= 0:  # while later buckets arrive
+                hashes[p].update(sources[p].segments(b), self._byte_views[p])
         self._sync_clock()
-        tag, hash_s = PolicyTag(version), 0.0
+        tag = PolicyTag(version)
         if self.cfg.verify:
-            t_hash = time.perf_counter()
-            tag = PolicyTag(version, self._verify(n, version, tables))
-            hash_s = time.perf_counter() - t_hash
+            tag = PolicyTag(version, self._verify(n, version, tables, [h.digests() for h in hashes]))
         self._syncs += 1
-        stats = SyncStats(version, self.plan.payload_bytes, self.plan.num_buckets, time.perf_counter() - t0, hash_s)
+        stats = SyncStats(version, self.plan.payload_bytes, self.plan.num_buckets, time.perf_counter() - t0,
+                          sum(h.seconds for h in hashes))
         return tag, dict(self._views), stats
 
     def _check_headers(self, headers: list[list[int]], n: int) -> int:
@@ -399,12 +424,11 @@ class WeightReceiver(_Endpoint):
             raise self._fail(f"sync {n}: the pipeline ranks send different policy versions ({listed})")
         return versions.pop()
 
-    def _verify(self, n: int, version: int, tables: list[torch.Tensor]) -> str:
+    def _verify(self, n: int, version: int, tables: list[torch.Tensor], received: list[list[bytes]]) -> str:
         specs, digests = [], []
-        for s, table in zip(self.plan.sources, tables):
+        for s, table, got_all in zip(self.plan.sources, tables, received):
             sent = table.cpu().numpy().tobytes()
-            for i, spec in enumerate(s.specs):
-                got = tensor_digest(self._views[spec[0]])
+            for i, (spec, got) in enumerate(zip(s.specs, got_all)):
                 if got != sent[i * _DIGEST_BYTES:(i + 1) * _DIGEST_BYTES]:
                     raise self._fail(f"sync {n} (v{version}): {spec[0]} from pp={s.source} arrived corrupted "
                                      "(sha256 differs)")

@@ -5,8 +5,9 @@ Disk versions (storage/policies.py) stay the lineage and the resume point; this 
 from training to rollout.
 """
 
-from stages.sync.channel import (DEFAULT_SYNC_BUCKET_BYTES, PolicyTag, SyncStats, WeightReceiver, WeightSender,
-                                 WeightSyncConfig, WeightSyncError)
+from stages.sync.channel import WeightReceiver, WeightSender
+from stages.sync.config import (DEFAULT_SYNC_BUCKET_BYTES, PolicyTag, SyncStats, WeightSyncConfig,
+                                WeightSyncError)
 from stages.sync.plan import SignatureMismatchError, plan_sync, state_digest, tensor_specs
 from stages.sync.versioned import PolicyVersionError, VersionedEngine
 

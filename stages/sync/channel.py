@@ -33,20 +33,18 @@ import json
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 
+from stages.sync.config import PolicyTag, SyncStats, WeightSyncConfig, WeightSyncError
 from stages.sync.plan import SyncPlan, TensorSpec, combine_digests, plan_sync, tensor_specs
 
-__all__ = ["WeightSyncConfig", "WeightSyncError", "PolicyTag", "SyncStats", "WeightSender", "WeightReceiver",
-           "DEFAULT_SYNC_BUCKET_BYTES"]
+__all__ = ["WeightSender", "WeightReceiver"]
 
-DEFAULT_SYNC_BUCKET_BYTES = 32 * 2**20  # a few buckets per GB, bounded staging memory on the sender
 _MAGIC = 0x5359_4E43_4750_52  # "GRPGCNYS": a header, not stray bytes of another stream
 _OK, _REFUSED = 0, 1
 _DIGEST_BYTES = 32  # sha256
@@ -54,77 +52,6 @@ _IN_FLIGHT = 2  # a sender fills one staging buffer while the other is on the wi
 _STORE_PREFIX = "grpoflow-sync"
 
 log = logging.getLogger(__name__)
-
-
-class WeightSyncError(RuntimeError):
-    """A weight sync could not complete; the message names the sync, the peer and the cause."""
-
-
-@dataclass(frozen=True)
-class WeightSyncConfig:
-    """One weight-sync channel, the same on every training rank and engine that joins it."""
-
-    init_method: str
-    """tcp://host:port of the channel's rendezvous store; pipeline rank 0 hosts it."""
-    num_sources: int
-    """Pipeline ranks that send (train.pipeline_model_parallel_size)."""
-    num_engines: int
-    """Rollout engines that receive."""
-    bucket_bytes: int = DEFAULT_SYNC_BUCKET_BYTES
-    """Largest broadcast; a sender stages at most two buckets at a time."""
-    timeout_s: float = 60.0
-    """Bound of every wait: the signature exchange, each broadcast."""
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """auto: nccl where the tensors are on CUDA, gloo otherwise."""
-    verify: bool = True
-    """Send and check a sha256 per tensor; the engine's version tag then carries the content hash."""
-    channel: str = "weights"
-    """Name of the channel in the store; a reconnect after a failure takes a new one."""
-
-    def __post_init__(self) -> None:
-        url = urlparse(self.init_method)
-        if url.scheme != "tcp" or not url.hostname or not url.port:
-            raise ValueError(f"sync.init_method={self.init_method!r} must look like tcp://host:port")
-        if self.num_sources < 1 or self.num_engines < 1:
-            raise ValueError(f"sync needs at least one source and one engine, got num_sources={self.num_sources}, "
-                             f"num_engines={self.num_engines}")
-        if self.bucket_bytes < 2**10:
-            raise ValueError(f"sync.bucket_bytes={self.bucket_bytes} is below 1 KiB; use e.g. {DEFAULT_SYNC_BUCKET_BYTES}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"sync.timeout_s={self.timeout_s} must be positive")
-        if self.backend not in ("auto", "gloo", "nccl"):
-            raise ValueError(f"sync.backend={self.backend!r} must be auto, gloo or nccl")
-        if not self.channel or "/" in self.channel:
-            raise ValueError(f"sync.channel={self.channel!r} must be a non-empty name without '/'")
-
-    @property
-    def timeout(self) -> timedelta:
-        return timedelta(seconds=self.timeout_s)
-
-
-@dataclass(frozen=True)
-class PolicyTag:
-    """Which policy an engine holds: its version and content hash ("" when not verified)."""
-
-    version: int
-    content_hash: str = ""
-
-
-@dataclass(frozen=True)
-class SyncStats:
-    """One side's view of one sync. ``seconds`` runs from the call to its return, waiting for the
-    peers included; ``hash_seconds`` is the part spent hashing."""
-
-    version: int
-    num_bytes: int
-    """Tensor bytes this side sent (a source) or received (an engine), padding excluded."""
-    num_buckets: int
-    seconds: float
-    hash_seconds: float = 0.0
-
-    @property
-    def gib_per_s(self) -> float:
-        return self.num_bytes / 2**30 / max(self.seconds, 1e-9)
 
 
 # -- connection ---------------------------------------------------------------------------------------
@@ -273,12 +200,14 @@ class WeightSender(_Endpoint):
         except Exception as exc:
             raise WeightSyncError(f"{where}: the engines did not join its group within {cfg.timeout_s} s: "
                                   f"{_first_line(exc)}") from exc
-        sender = cls(cfg, plan, store, {pp_rank: group}, device, where)
-        sender.pp_rank, sender._specs = pp_rank, tensor_specs(tensors)
-        source = plan.sources[pp_rank]
-        slot_bytes = min(cfg.bucket_bytes, source.stream_bytes)
-        sender._staging = [torch.zeros(slot_bytes, dtype=torch.uint8, device=device) for _ in range(_IN_FLIGHT)]
-        return sender
+        return cls(cfg, plan, store, {pp_rank: group}, device, where, pp_rank, tensor_specs(tensors))
+
+    def __init__(self, cfg: WeightSyncConfig, plan: SyncPlan, store: dist.Store, groups: dict[int, dist.ProcessGroup],
+                 device: torch.device, where: str, pp_rank: int, specs: list[TensorSpec]):
+        super().__init__(cfg, plan, store, groups, device, where)
+        self.pp_rank, self._specs = pp_rank, specs
+        slot_bytes = min(cfg.bucket_bytes, plan.sources[pp_rank].stream_bytes)
+        self._staging = [torch.zeros(slot_bytes, dtype=torch.uint8, device=device) for _ in range(_IN_FLIGHT)]
 
     def send(self, tensors: Mapping[str, torch.Tensor], version: int) -> SyncStats:
         """Broadcast this rank's shard of policy ``version``; every engine must be receiving."""
@@ -360,16 +289,21 @@ class WeightReceiver(_Endpoint):
             except Exception as exc:
                 raise WeightSyncError(f"{where}: the group of pp={p} did not form within {cfg.timeout_s} s: "
                                       f"{_first_line(exc)}") from exc
-        receiver = cls(cfg, plan, store, groups, device, where)
-        receiver._buffers = [torch.empty(s.stream_bytes, dtype=torch.uint8, device=device) for s in plan.sources]
-        receiver._views, receiver._byte_views = {}, []
-        for s, buf in zip(plan.sources, receiver._buffers):
-            receiver._byte_views.append([])
+        return cls(cfg, plan, store, groups, device, where)
+
+    def __init__(self, cfg: WeightSyncConfig, plan: SyncPlan, store: dist.Store, groups: dict[int, dist.ProcessGroup],
+                 device: torch.device, where: str):
+        super().__init__(cfg, plan, store, groups, device, where)
+        # One buffer per source, received into in place; the tensors are views of it.
+        self._buffers = [torch.empty(s.stream_bytes, dtype=torch.uint8, device=device) for s in plan.sources]
+        self._views: dict[str, torch.Tensor] = {}
+        self._byte_views: list[list[torch.Tensor]] = []
+        for s, buf in zip(plan.sources, self._buffers):
+            self._byte_views.append([])
             for (name, shape, dtype), off in zip(s.specs, s.offsets):
                 nbytes = torch.Size(shape).numel() * getattr(torch, dtype).itemsize
-                receiver._byte_views[-1].append(buf[off:off + nbytes])
-                receiver._views[name] = buf[off:off + nbytes].view(getattr(torch, dtype)).view(shape)
-        return receiver
+                self._byte_views[-1].append(buf[off:off + nbytes])
+                self._views[name] = buf[off:off + nbytes].view(getattr(torch, dtype)).view(shape)
 
     def receive(self) -> tuple[PolicyTag, dict[str, torch.Tensor], SyncStats]:
         """The next policy version: its tag, the whole HF-named state dict and the stats.

@@ -14,7 +14,8 @@ import torch
 
 from stages.policy import DecoderStage, load_hf_state
 from stages.rollout import RolloutBatch, SamplingParams, generate
-from stages.sync.channel import PolicyTag, SyncStats, WeightReceiver
+from stages.sync.channel import WeightReceiver
+from stages.sync.config import PolicyTag, SyncStats
 
 __all__ = ["PolicyVersionError", "VersionedEngine"]
 

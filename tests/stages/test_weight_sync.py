@@ -45,8 +45,10 @@ def _child(index: int, fn, args: tuple, results) -> None:
     results.put((index, pickle.dumps(out)))
 
 
-def _run(targets: list[tuple], limit_s: float) -> list[dict | None]:
-    """Run fn(*args) of each target in its own process; None for a process that returned nothing."""
+def _run(targets: list[tuple], limit_s: float, wait_for: set[int] | None = None) -> list[dict | None]:
+    """Run fn(*args) of each target in its own process; None for a process that returned nothing.
+    Once the processes in ``wait_for`` (default: all) have reported, the others get a second to
+    report and are then killed."""
     ctx = tmp.get_context("forkserver")
     ctx.set_forkserver_preload(["stages.sync", "stages.policy"])
     results = ctx.Queue()
@@ -54,14 +56,16 @@ def _run(targets: list[tuple], limit_s: float) -> list[dict | None]:
     for p in procs:
         p.start()
     out: dict[int, dict] = {}
+    wait_for = set(range(len(procs))) if wait_for is None else wait_for
     deadline = time.monotonic() + limit_s
-    while len(out) < len(procs) and time.monotonic() < deadline:
+    while not wait_for <= out.keys() and time.monotonic() < deadline:
         try:
             i, result = results.get(timeout=0.2)
             out[i] = pickle.loads(result)
         except queue.Empty:
             if not any(p.is_alive() for p in procs) and results.empty():
                 break
+    deadline = min(deadline, time.monotonic() + 1.0)
     for p in procs:
         p.join(timeout=max(0.1, deadline - time.monotonic()))
         if p.is_alive():
@@ -75,21 +79,25 @@ def _config(num_engines: int = 1, bucket_bytes: int = 3000) -> WeightSyncConfig:
 
 
 # -- process bodies -----------------------------------------------------------------------------------
-def _trainer(cfg: WeightSyncConfig, model_cfg, pp: int, versions: list[dict], die_after: int | None = None):
-    """Pipeline rank ``pp`` of a 2-stage split: load each version's weights, send it."""
+def _trainer(cfg: WeightSyncConfig, model_cfg, pp: int, versions: list[dict], fail_after: int | None = None,
+             fail: str = "exit"):
+    """Pipeline rank ``pp`` of a 2-stage split: load each version's weights, send it. With
+    ``fail_after``, the process exits abruptly (or stalls) after that many broadcasts."""
     stage = build_stage(model_cfg, pp, 2)
     load_hf_state(stage, versions[0])
     sender = WeightSender.connect(cfg, pp, hf_state(stage))
-    if die_after is not None:  # the process ends abruptly after that many broadcasts
+    if fail_after is not None:
         calls, broadcast = [0], _Endpoint._broadcast
 
-        def dying(self, source, tensor):
+        def failing(self, source, tensor):
             calls[0] += 1
-            if calls[0] > die_after:
+            if calls[0] > fail_after:
+                if fail == "stall":
+                    time.sleep(10 * TIMEOUT_S)
                 os._exit(3)
             return broadcast(self, source, tensor)
 
-        _Endpoint._broadcast = dying
+        _Endpoint._broadcast = failing
     stats = []
     for v, full in enumerate(versions, start=1):
         load_hf_state(stage, full)
@@ -97,9 +105,9 @@ def _trainer(cfg: WeightSyncConfig, model_cfg, pp: int, versions: list[dict], di
     return stats
 
 
-def _engine(cfg: WeightSyncConfig, model_cfg, num_syncs: int):
+def _engine(cfg: WeightSyncConfig, model_cfg, num_syncs: int, index: int = 0):
     engine = VersionedEngine(make_model(model_cfg, seed=99))
-    receiver = WeightReceiver.connect(cfg, 0, hf_state(engine.model))
+    receiver = WeightReceiver.connect(cfg, index, hf_state(engine.model))
     out = []
     for _ in range(num_syncs):
         stats = engine.sync(receiver)
@@ -113,15 +121,18 @@ def _engine(cfg: WeightSyncConfig, model_cfg, num_syncs: int):
 
 
 # -- tests --------------------------------------------------------------------------------------------
-def test_engine_holds_the_trainers_weights_bit_for_bit():
+@pytest.mark.parametrize("num_engines", [1, 2])
+def test_engines_hold_the_trainers_weights_bit_for_bit(num_engines):
     model_cfg = make_decoder_config(tie_word_embeddings=True)  # the tied embedding sits on both pp ranks
     versions = [hf_state(make_model(model_cfg, seed=s)) for s in (1, 2)]
-    cfg = _config()
-    out = _run([(_trainer, (cfg, model_cfg, 0, versions)), (_trainer, (cfg, model_cfg, 1, versions)),
-                (_engine, (cfg, model_cfg, 2))], limit_s=_START_S + 4 * TIMEOUT_S)
+    cfg = _config(num_engines)
+    out = _run([(_trainer, (cfg, model_cfg, 0, versions)), (_trainer, (cfg, model_cfg, 1, versions))]
+               + [(_engine, (cfg, model_cfg, 2, e)) for e in range(num_engines)], limit_s=_START_S + 4 * TIMEOUT_S)
     assert all(o is not None and o["error"] is None for o in out), out
-    s0, s1, (r0, r1) = out[0]["value"], out[1]["value"], out[2]["value"]
-    for v, (full, (tag, state, stats, refused)) in enumerate(zip(versions, (r0, r1)), start=1):
+    s0, s1 = out[0]["value"], out[1]["value"]
+    received = [(v, full, r) for o in out[2:] for v, (full, r) in enumerate(zip(versions, o["value"]), start=1)]
+    assert len(received) == 2 * num_engines
+    for v, full, (tag, state, stats, refused) in received:
         assert state.keys() == full.keys()
         assert all(torch.equal(state[k], full[k]) for k in full)
         assert tag == PolicyTag(v, state_digest(full))
@@ -147,17 +158,20 @@ def test_a_signature_mismatch_fails_every_side_with_the_same_message():
     assert all(o["seconds"] < TIMEOUT_S + SLACK_S for o in out), [o["seconds"] for o in out]
 
 
-def test_a_sender_dying_mid_sync_fails_the_engine_within_the_timeout():
+@pytest.mark.parametrize("fail", ["exit", "stall"])
+def test_a_sender_failing_mid_sync_fails_the_engine_within_the_timeout(fail):
     model_cfg = make_decoder_config()
     versions = [hf_state(make_model(model_cfg, seed=1))]
     cfg = _config(bucket_bytes=1024)
-    out = _run([(_trainer, (cfg, model_cfg, 0, versions)), (_trainer, (cfg, model_cfg, 1, versions, 4)),
-                (_engine, (cfg, model_cfg, 1))], limit_s=_START_S + 3 * TIMEOUT_S)
-    assert out[1] is None  # pp=1 died after its header and three buckets
+    out = _run([(_trainer, (cfg, model_cfg, 0, versions)), (_trainer, (cfg, model_cfg, 1, versions, 4, fail)),
+                (_engine, (cfg, model_cfg, 1))], limit_s=_START_S + 3 * TIMEOUT_S, wait_for={0, 2})
+    assert out[1] is None  # pp=1 died or stalled after its header and three buckets
     engine = out[2]
     assert engine is not None and engine["error"].startswith("WeightSyncError: weight sync receiver engine 0: "
                                                              "receiving sync 0 (v1): bucket "), engine
     assert "from pp=1 failed" in engine["error"]
+    if fail == "stall":  # gloo's own bound on the wait ("Timed out ..." or "Application timeout ...")
+        assert "time" in engine["error"].split("failed: ")[1].lower() and engine["seconds"] > TIMEOUT_S, engine
     assert engine["seconds"] < TIMEOUT_S + SLACK_S
     assert out[0] is not None and out[0]["seconds"] < 2 * TIMEOUT_S + SLACK_S  # pp=0 ends too, whatever it saw
 

@@ -5,7 +5,9 @@ path is timed from "the training ranks hold the new weights" to "the engine's mo
 
   memory        local processes: each pp rank WeightSender.send, the engine VersionedEngine.sync
                 (receive + load_hf_state); the engine's seconds, which include waiting for the
-                senders; ``verify`` adds a sha256 per tensor on both sides (the content hash)
+                senders; per sync.content_hash: verify (a sha256 per tensor on the pp ranks,
+                checked on the engine), send (the engine only combines the ranks' digests),
+                none (no hashing)
   disk          in this process: each pp rank's PolicyStore.save_shard (timed apart; the larger
                 counts, as the ranks write in parallel), finalize_policy (index, manifest, the
                 sha256 of the shards), load_model_folder + load_hf_state on the engine's model.
@@ -80,9 +82,9 @@ def _engine(sync: WeightSyncConfig, cfg: DecoderConfig, num_syncs: int, results)
     results.put(("engine", 0, pickle.dumps(stats)))
 
 
-def memory_sync(cfg: DecoderConfig, num_versions: int, bucket_bytes: int, verify: bool) -> dict[str, list]:
+def memory_sync(cfg: DecoderConfig, num_versions: int, bucket_bytes: int, content_hash: str) -> dict[str, list]:
     sync = WeightSyncConfig(f"tcp://127.0.0.1:{_free_port()}", num_sources=2, num_engines=1,
-                            bucket_bytes=bucket_bytes, timeout_s=60.0, verify=verify)
+                            bucket_bytes=bucket_bytes, timeout_s=60.0, content_hash=content_hash)
     ctx = tmp.get_context("forkserver")
     ctx.set_forkserver_preload(["stages.sync"])
     results = ctx.Queue()
@@ -140,26 +142,27 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     bucket = int(args.bucket_mib * 2**20)
+    modes = ("verify", "send", "none")
     rows = []
     for name, cfg in MODELS.items():
         versions = _versions(cfg, args.reps + 1)
         payload = sum(t.numel() * t.element_size() for t in versions[0].values())
-        mem = {verify: memory_sync(cfg, args.reps + 1, bucket, verify) for verify in (True, False)}
+        mem = {mode: memory_sync(cfg, args.reps + 1, bucket, mode) for mode in modes}
         disk = disk_sync(cfg, versions)
-        eng = {v: [s.seconds for s in mem[v]["engine"][0]] for v in mem}
-        snd = [max(a.seconds, b.seconds) for a, b in zip(*mem[True]["sender"])]
-        buckets = mem[True]["engine"][0][0].num_buckets
-        hash_s = [s.hash_seconds for s in mem[True]["engine"][0]]
-        d_total = [w + f + lo for w, f, lo in zip(disk["write"], disk["finalize"], disk["load"])]
-        rows.append((name, payload, buckets, _median(eng[True]), _median(eng[False]), _median(snd), _median(hash_s),
-                     disk["bytes"][0], _median(disk["write"]), _median(disk["finalize"]), _median(disk["load"]),
-                     _median(d_total)))
-    print(f"bucket {args.bucket_mib:g} MiB, 2 pp ranks -> 1 engine, gloo on 127.0.0.1, median of {args.reps}")
-    print(f"{'model':22} {'MiB':>7} {'bkts':>4} | {'mem s':>7} {'no-hash':>7} {'sender':>7} {'hash':>6} | "
-          f"{'file MiB':>8} {'write':>6} {'final':>6} {'load':>6} {'disk s':>7} | {'disk/mem':>8} {'/no-hash':>8}")
-    for (name, payload, buckets, mem_s, raw_s, snd_s, hash_s, fbytes, w, f, lo, d) in rows:
-        print(f"{name:22} {payload / 2**20:7.2f} {buckets:4d} | {mem_s:7.4f} {raw_s:7.4f} {snd_s:7.4f} {hash_s:6.4f} | "
-              f"{fbytes / 2**20:8.2f} {w:6.4f} {f:6.4f} {lo:6.4f} {d:7.4f} | {d / mem_s:8.1f} {d / raw_s:8.1f}")
+        engine_s = {mode: _median([s.seconds for s in mem[mode]["engine"][0]]) for mode in modes}
+        hash_s = _median([s.hash_seconds for s in mem["verify"]["engine"][0]])
+        buckets = mem["verify"]["engine"][0][0].num_buckets
+        d_total = _median([w + f + lo for w, f, lo in zip(disk["write"], disk["finalize"], disk["load"])])
+        rows.append((name, payload, buckets, engine_s, hash_s, disk["bytes"][0],
+                     [_median(disk[k]) for k in ("write", "finalize", "load")], d_total))
+    print(f"bucket {args.bucket_mib:g} MiB, 2 pp ranks -> 1 engine, gloo on 127.0.0.1, median of {args.reps}; "
+          "seconds until the engine's model holds the version")
+    print(f"{'model':21} {'MiB':>7} {'bkts':>4} | {'verify':>7} {'(hash)':>7} {'send':>7} {'none':>7} | "
+          f"{'file MiB':>8} {'write':>6} {'final':>6} {'load':>6} {'disk':>7} | disk / memory: verify send none")
+    for name, payload, buckets, mem_s, hash_s, fbytes, (w, f, lo), d in rows:
+        print(f"{name:21} {payload / 2**20:7.2f} {buckets:4d} | {mem_s['verify']:7.4f} {hash_s:7.4f} "
+              f"{mem_s['send']:7.4f} {mem_s['none']:7.4f} | {fbytes / 2**20:8.2f} {w:6.4f} {f:6.4f} {lo:6.4f} "
+              f"{d:7.4f} | {d / mem_s['verify']:20.1f} {d / mem_s['send']:4.1f} {d / mem_s['none']:4.1f}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ not through ``init_process_group``: a training rank already belongs to the train
 engine to none, and such a group needs neither.
 
 One sync, in every group: a header (int64 [magic, sync index, policy version, plan digest,
-status]), the buckets of the source's byte stream, then, with ``verify``, the sha256 of each
+status]), the buckets of the source's byte stream, then (``content_hash``) the sha256 of each
 tensor the source owns. The engine checks that every source sent the same version and the agreed
 plan, checks every tensor's digest against the bytes it received, and tags the result with the
 version and the content hash (:func:`stages.sync.plan.state_digest` of the whole state dict).
@@ -244,11 +244,11 @@ class WeightSender(_Endpoint):
                     at = source.offsets[i] + start - lo
                     buf[at:at + count].copy_(flats[i][start:start + count])
             pending.append(self._broadcast(self.pp_rank, buf))
-            if self.cfg.verify:  # while this bucket is on the wire
+            if self.cfg.hashing:  # while this bucket is on the wire
                 hashes.update(segments, flats)
         while pending:
             self._wait(pending.popleft(), f"sync {n} (v{version}): the last buckets")
-        if self.cfg.verify and source.specs:
+        if self.cfg.hashing and source.specs:
             table = torch.frombuffer(bytearray(b"".join(hashes.digests())), dtype=torch.uint8).to(self.device)
             self._wait(self._broadcast(self.pp_rank, table), f"sync {n} (v{version}): the digests")
         self._sync_clock()
@@ -324,19 +324,19 @@ class WeightReceiver(_Endpoint):
                 lo, hi = s.bucket_range(b)
                 works.append((s.source, b, self._broadcast(s.source, buf[lo:hi])))
         tables = []
-        if self.cfg.verify:  # queued behind the buckets of each group
+        if self.cfg.hashing:  # queued behind the buckets of each group
             tables = [torch.zeros(len(s.specs) * _DIGEST_BYTES, dtype=torch.uint8, device=self.device)
                       for s in sources]
             works += [(s.source, -1, self._broadcast(s.source, t)) for s, t in zip(sources, tables) if s.specs]
         hashes = [_StreamHash(len(s.specs)) for s in sources]
         for p, b, w in works:
             self._wait(w, p, f"sync {n} (v{version}): " + (f"bucket {b}" if b >= 0 else "the digests"))
-            if self.cfg.verify and b >= 0:  # while later buckets arrive
+            if self.cfg.content_hash == "verify" and b >= 0:  # while later buckets arrive
                 hashes[p].update(sources[p].segments(b), self._byte_views[p])
         self._sync_clock()
         tag = PolicyTag(version)
-        if self.cfg.verify:
-            tag = PolicyTag(version, self._verify(n, version, tables, [h.digests() for h in hashes]))
+        if self.cfg.hashing:
+            tag = PolicyTag(version, self._content_hash(n, version, tables, hashes))
         self._syncs += 1
         stats = SyncStats(version, self.plan.payload_bytes, self.plan.num_buckets, time.perf_counter() - t0,
                           sum(h.seconds for h in hashes))
@@ -358,16 +358,19 @@ class WeightReceiver(_Endpoint):
             raise self._fail(f"sync {n}: the pipeline ranks send different policy versions ({listed})")
         return versions.pop()
 
-    def _verify(self, n: int, version: int, tables: list[torch.Tensor], received: list[list[bytes]]) -> str:
+    def _content_hash(self, n: int, version: int, tables: list[torch.Tensor], hashes: list[_StreamHash]) -> str:
+        """The sources' digests combined; with ``verify`` each is first checked against the bytes
+        received."""
         specs, digests = [], []
-        for s, table, got_all in zip(self.plan.sources, tables, received):
+        for s, table, own in zip(self.plan.sources, tables, hashes):
             sent = table.cpu().numpy().tobytes()
-            for i, (spec, got) in enumerate(zip(s.specs, got_all)):
-                if got != sent[i * _DIGEST_BYTES:(i + 1) * _DIGEST_BYTES]:
+            for i, spec in enumerate(s.specs):
+                digest = sent[i * _DIGEST_BYTES:(i + 1) * _DIGEST_BYTES]
+                if self.cfg.content_hash == "verify" and own.hashers[i].digest() != digest:
                     raise self._fail(f"sync {n} (v{version}): {spec[0]} from pp={s.source} arrived corrupted "
                                      "(sha256 differs)")
                 specs.append(spec)
-                digests.append(got)
+                digests.append(digest)
         return combine_digests(specs, digests)
 
     def _wait(self, work: dist.Work, source: int, what: str) -> None:

@@ -32,8 +32,10 @@ class WeightSyncConfig:
     """Bound of every wait: the signature exchange, each broadcast."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """auto: nccl where the tensors are on CUDA, gloo otherwise."""
-    verify: bool = True
-    """Send and check a sha256 per tensor; the engine's version tag then carries the content hash."""
+    content_hash: Literal["verify", "send", "none"] = "verify"
+    """verify: the pipeline ranks send a sha256 per tensor and the engine checks the bytes it got
+    against them; send: the engine trusts the transport and only combines the ranks' digests
+    (half the hashing); none: no hashing, the version tag's content hash is empty."""
     channel: str = "weights"
     """Name of the channel in the store; a reconnect after a failure takes a new one."""
 
@@ -45,13 +47,20 @@ class WeightSyncConfig:
             raise ValueError(f"sync needs at least one source and one engine, got num_sources={self.num_sources}, "
                              f"num_engines={self.num_engines}")
         if self.bucket_bytes < 2**10:
-            raise ValueError(f"sync.bucket_bytes={self.bucket_bytes} is below 1 KiB; use e.g. {DEFAULT_SYNC_BUCKET_BYTES}")
+            raise ValueError(f"sync.bucket_bytes={self.bucket_bytes} is below 1 KiB; use e.g. "
+                             f"{DEFAULT_SYNC_BUCKET_BYTES}")
         if self.timeout_s <= 0:
             raise ValueError(f"sync.timeout_s={self.timeout_s} must be positive")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"sync.backend={self.backend!r} must be auto, gloo or nccl")
+        if self.content_hash not in ("verify", "send", "none"):
+            raise ValueError(f"sync.content_hash={self.content_hash!r} must be verify, send or none")
         if not self.channel or "/" in self.channel:
             raise ValueError(f"sync.channel={self.channel!r} must be a non-empty name without '/'")
+
+    @property
+    def hashing(self) -> bool:
+        return self.content_hash != "none"
 
     @property
     def timeout(self) -> timedelta:
@@ -60,7 +69,8 @@ class WeightSyncConfig:
 
 @dataclass(frozen=True)
 class PolicyTag:
-    """Which policy an engine holds: its version and content hash ("" when not verified)."""
+    """Which policy an engine holds: its version and content hash (:func:`stages.sync.plan.state_digest`
+    of the whole state dict; "" with ``content_hash=none``)."""
 
     version: int
     content_hash: str = ""

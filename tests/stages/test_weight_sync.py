@@ -19,6 +19,7 @@ from stages.policy import build_stage, hf_state, load_hf_state
 from stages.rollout import SamplingParams
 from stages.sync import (PolicyTag, PolicyVersionError, SignatureMismatchError, VersionedEngine, WeightReceiver,
                          WeightSender, WeightSyncConfig, plan_sync, state_digest, tensor_specs)
+from stages.sync import channel
 from stages.sync.channel import _Endpoint
 
 TIMEOUT_S = 4.0
@@ -73,9 +74,9 @@ def _run(targets: list[tuple], limit_s: float, wait_for: set[int] | None = None)
     return [out.get(i) for i in range(len(procs))]
 
 
-def _config(num_engines: int = 1, bucket_bytes: int = 3000) -> WeightSyncConfig:
+def _config(num_engines: int = 1, bucket_bytes: int = 3000, content_hash: str = "verify") -> WeightSyncConfig:
     return WeightSyncConfig(f"tcp://127.0.0.1:{_free_port()}", num_sources=2, num_engines=num_engines,
-                            bucket_bytes=bucket_bytes, timeout_s=TIMEOUT_S)
+                            bucket_bytes=bucket_bytes, timeout_s=TIMEOUT_S, content_hash=content_hash)
 
 
 # -- process bodies -----------------------------------------------------------------------------------
@@ -86,6 +87,8 @@ def _trainer(cfg: WeightSyncConfig, model_cfg, pp: int, versions: list[dict], fa
     stage = build_stage(model_cfg, pp, 2)
     load_hf_state(stage, versions[0])
     sender = WeightSender.connect(cfg, pp, hf_state(stage))
+    if fail == "corrupt":  # digests of other bytes than those sent
+        channel._StreamHash.digests = lambda self: [bytes(32)] * len(self.hashers)
     if fail_after is not None:
         calls, broadcast = [0], _Endpoint._broadcast
 
@@ -121,11 +124,11 @@ def _engine(cfg: WeightSyncConfig, model_cfg, num_syncs: int, index: int = 0):
 
 
 # -- tests --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("num_engines", [1, 2])
-def test_engines_hold_the_trainers_weights_bit_for_bit(num_engines):
+@pytest.mark.parametrize("num_engines,content_hash", [(1, "verify"), (2, "send"), (1, "none")])
+def test_engines_hold_the_trainers_weights_bit_for_bit(num_engines, content_hash):
     model_cfg = make_decoder_config(tie_word_embeddings=True)  # the tied embedding sits on both pp ranks
     versions = [hf_state(make_model(model_cfg, seed=s)) for s in (1, 2)]
-    cfg = _config(num_engines)
+    cfg = _config(num_engines, content_hash=content_hash)
     out = _run([(_trainer, (cfg, model_cfg, 0, versions)), (_trainer, (cfg, model_cfg, 1, versions))]
                + [(_engine, (cfg, model_cfg, 2, e)) for e in range(num_engines)], limit_s=_START_S + 4 * TIMEOUT_S)
     assert all(o is not None and o["error"] is None for o in out), out
@@ -135,7 +138,7 @@ def test_engines_hold_the_trainers_weights_bit_for_bit(num_engines):
     for v, full, (tag, state, stats, refused) in received:
         assert state.keys() == full.keys()
         assert all(torch.equal(state[k], full[k]) for k in full)
-        assert tag == PolicyTag(v, state_digest(full))
+        assert tag == PolicyTag(v, state_digest(full) if content_hash != "none" else "")
         payload = sum(t.numel() * t.element_size() for t in full.values())
         assert stats.num_bytes == payload  # the embedding once, though two ranks hold it
         assert s0[v - 1].num_bytes + s1[v - 1].num_bytes == payload
@@ -174,6 +177,17 @@ def test_a_sender_failing_mid_sync_fails_the_engine_within_the_timeout(fail):
         assert "time" in engine["error"].split("failed: ")[1].lower() and engine["seconds"] > TIMEOUT_S, engine
     assert engine["seconds"] < TIMEOUT_S + SLACK_S
     assert out[0] is not None and out[0]["seconds"] < 2 * TIMEOUT_S + SLACK_S  # pp=0 ends too, whatever it saw
+
+
+def test_bytes_that_do_not_match_their_digests_are_refused():
+    model_cfg = make_decoder_config()
+    versions = [hf_state(make_model(model_cfg, seed=1))]
+    cfg = _config()
+    out = _run([(_trainer, (cfg, model_cfg, 0, versions)), (_trainer, (cfg, model_cfg, 1, versions, None, "corrupt")),
+                (_engine, (cfg, model_cfg, 1))], limit_s=_START_S + 2 * TIMEOUT_S)
+    assert out[0]["error"] is None and out[1]["error"] is None
+    assert out[2]["error"] == ("WeightSyncError: weight sync receiver engine 0: sync 0 (v1): "
+                               "lm_head.weight from pp=1 arrived corrupted (sha256 differs)")
 
 
 def test_the_engine_refuses_a_version_it_does_not_hold():

@@ -50,6 +50,7 @@ _OK, _REFUSED = 0, 1
 _DIGEST_BYTES = 32  # sha256
 _IN_FLIGHT = 2  # a sender fills one staging buffer while the other is on the wire
 _STORE_PREFIX = "grpoflow-sync"
+_POLL_S = 0.02  # rendezvous polling: a few round trips to the store per 100 ms
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,41 @@ def _open_store(cfg: WeightSyncConfig, host: bool) -> dist.Store:
     return dist.PrefixStore(f"{_STORE_PREFIX}/{cfg.channel}/", store)
 
 
+def _await_peers(store: dist.Store, cfg: WeightSyncConfig, me: str, sides: list[str]) -> None:
+    """Wait until every side has posted its signature. The first side to time out posts the
+    verdict under ``abort``: the others raise it at once, and the store's host (pipeline rank 0)
+    stays until each side present has read it, so nobody finds the store gone instead. Polling
+    rather than ``store.wait``: a timed-out wait does not say which key was late."""
+    deadline = time.monotonic() + cfg.timeout_s
+    missing = list(sides)
+    while True:
+        try:
+            if store.check(["abort"]):
+                store.set(f"seen-abort/{me}", "1")
+                raise WeightSyncError(store.get("abort").decode())
+            missing = [w for w in missing if not store.check([f"join/{w}"])]
+        except WeightSyncError:
+            raise
+        except Exception as exc:
+            raise WeightSyncError(f"weight sync channel {cfg.channel!r}: the store went away while waiting for "
+                                  f"{', '.join(missing)}: {_first_line(exc)}") from exc
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            break
+        time.sleep(_POLL_S)
+    message = (f"weight sync channel {cfg.channel!r}: {', '.join(missing)} did not join within {cfg.timeout_s} s; "
+               "start a sender on every pipeline rank (dp=tp=0) and a receiver on every engine, with the same "
+               "sync config")
+    store.set("abort", message)
+    if me == sides[0]:
+        present = [f"seen-abort/{w}" for w in sides if w not in missing and w != me]
+        linger = time.monotonic() + cfg.timeout_s
+        while time.monotonic() < linger and not all(store.check([k]) for k in present):
+            time.sleep(_POLL_S)
+    raise WeightSyncError(message)
+
+
 def _join(cfg: WeightSyncConfig, store: dist.Store, me: str, specs: list[TensorSpec], backend: str) -> SyncPlan:
     """Post this side's signature, read everyone's, and plan (the same plan, or the same error, on
     every side)."""
@@ -81,13 +117,7 @@ def _join(cfg: WeightSyncConfig, store: dist.Store, me: str, specs: list[TensorS
     engines = [f"engine {e}" for e in range(cfg.num_engines)]
     keys = [f"join/{who}" for who in sources + engines]
     store.set(f"join/{me}", json.dumps({"specs": specs, "backend": backend}))
-    try:
-        store.wait(keys, cfg.timeout)
-    except Exception as exc:
-        missing = [k.removeprefix("join/") for k in keys if not store.check([k])]
-        raise WeightSyncError(f"weight sync channel {cfg.channel!r}: {', '.join(missing) or 'a peer'} did not join "
-                              f"within {cfg.timeout_s} s; start a sender on every pipeline rank (dp=tp=0) and a "
-                              "receiver on every engine, with the same sync config") from exc
+    _await_peers(store, cfg, me, sources + engines)
     table = {k.removeprefix("join/"): json.loads(store.get(k)) for k in keys}
     # The store's host may leave as soon as it has planned (a mismatch ends every side): it first
     # waits, bounded, until every side has read the table too.

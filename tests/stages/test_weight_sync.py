@@ -179,6 +179,19 @@ def test_a_sender_failing_mid_sync_fails_the_engine_within_the_timeout(fail):
     assert out[0] is not None and out[0]["seconds"] < 2 * TIMEOUT_S + SLACK_S  # pp=0 ends too, whatever it saw
 
 
+def test_a_missing_peer_fails_the_others_within_the_timeout():
+    model_cfg = make_decoder_config()
+    versions = [hf_state(make_model(model_cfg, seed=1))]
+    cfg = _config()
+    out = _run([(_trainer, (cfg, model_cfg, 0, versions)), (_engine, (cfg, model_cfg, 1))],  # no pp=1
+               limit_s=_START_S + 2 * TIMEOUT_S)
+    for o in out:
+        assert o["error"].startswith(f"WeightSyncError: weight sync channel 'weights': pp=1 did not join within "
+                                     f"{TIMEOUT_S} s"), o
+        assert o["seconds"] < TIMEOUT_S + SLACK_S
+    assert max(o["seconds"] for o in out) >= TIMEOUT_S  # the first to time out tells the other
+
+
 def test_bytes_that_do_not_match_their_digests_are_refused():
     model_cfg = make_decoder_config()
     versions = [hf_state(make_model(model_cfg, seed=1))]

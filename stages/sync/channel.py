@@ -6,13 +6,10 @@ ranks 1 .. E)}: every source broadcasts its shard in its own group, so the P sha
 concurrently and no training rank receives another's bytes. An engine joins all P groups and
 receives straight into one preallocated buffer per source.
 
-Rendezvous. Pipeline rank 0 hosts a TCPStore at ``init_method`` (a port of its own, not the
-training world's). ``connect`` posts this side's signature (HF names, shapes, dtypes, backend)
-there, waits up to ``timeout_s`` for every other side's, and plans the sync
-(stages/sync/plan.py): on disagreement every side raises the same SignatureMismatchError. The
-groups are then built directly as ProcessGroupGloo / ProcessGroupNCCL objects on a PrefixStore,
-not through ``init_process_group``: a training rank already belongs to the training world and an
-engine to none, and such a group needs neither.
+Rendezvous (stages/sync/rendezvous.py). Pipeline rank 0 hosts a TCPStore at ``init_method`` (a
+port of its own, not the training world's). ``connect`` posts this side's signature (HF names,
+shapes, dtypes, backend) there, waits up to ``timeout_s`` for every other side's, and plans the
+sync (stages/sync/plan.py): on disagreement every side raises the same SignatureMismatchError.
 
 One sync, in every group: a header (int64 [magic, sync index, policy version, plan digest,
 status]), the buckets of the source's byte stream, then (``content_hash``) the sha256 of each
@@ -29,19 +26,16 @@ calls: reconnect under a new ``channel`` name.
 from __future__ import annotations
 
 import hashlib
-import json
-import logging
 import time
 from collections import deque
-from datetime import timedelta
 from typing import Mapping, Optional, Sequence
-from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 
 from stages.sync.config import PolicyTag, SyncStats, WeightSyncConfig, WeightSyncError
-from stages.sync.plan import SyncPlan, TensorSpec, combine_digests, plan_sync, tensor_specs
+from stages.sync.plan import SyncPlan, TensorSpec, combine_digests, tensor_specs
+from stages.sync.rendezvous import first_line, join, new_group, open_store, resolve_backend
 
 __all__ = ["WeightSender", "WeightReceiver"]
 
@@ -49,98 +43,6 @@ _MAGIC = 0x5359_4E43_4750_52  # "GRPGCNYS": a header, not stray bytes of another
 _OK, _REFUSED = 0, 1
 _DIGEST_BYTES = 32  # sha256
 _IN_FLIGHT = 2  # a sender fills one staging buffer while the other is on the wire
-_STORE_PREFIX = "grpoflow-sync"
-_POLL_S = 0.02  # rendezvous polling: a few round trips to the store per 100 ms
-
-log = logging.getLogger(__name__)
-
-
-# -- connection ---------------------------------------------------------------------------------------
-def _resolve_backend(cfg: WeightSyncConfig, device: torch.device) -> str:
-    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
-    if backend == "nccl" and (device.type != "cuda" or not dist.is_nccl_available()):
-        raise ValueError(f"sync.backend=nccl needs CUDA tensors and an NCCL build (tensors on {device}); "
-                         "use gloo")
-    return backend
-
-
-def _open_store(cfg: WeightSyncConfig, host: bool) -> dist.Store:
-    url = urlparse(cfg.init_method)
-    try:
-        store = dist.TCPStore(url.hostname, url.port, cfg.num_sources + cfg.num_engines, is_master=host,
-                              timeout=cfg.timeout, wait_for_workers=False)
-    except Exception as exc:
-        raise WeightSyncError(f"weight sync channel {cfg.channel!r}: cannot reach the store at {cfg.init_method} "
-                              f"within {cfg.timeout_s} s (pipeline rank 0 hosts it): {exc}") from exc
-    return dist.PrefixStore(f"{_STORE_PREFIX}/{cfg.channel}/", store)
-
-
-def _await_peers(store: dist.Store, cfg: WeightSyncConfig, me: str, sides: list[str]) -> None:
-    """Wait until every side has posted its signature. The first side to time out posts the
-    verdict under ``abort``: the others raise it at once, and the store's host (pipeline rank 0)
-    stays until each side present has read it, so nobody finds the store gone instead. Polling
-    rather than ``store.wait``: a timed-out wait does not say which key was late."""
-    deadline = time.monotonic() + cfg.timeout_s
-    missing = list(sides)
-    while True:
-        try:
-            if store.check(["abort"]):
-                store.set(f"seen-abort/{me}", "1")
-                raise WeightSyncError(store.get("abort").decode())
-            missing = [w for w in missing if not store.check([f"join/{w}"])]
-        except WeightSyncError:
-            raise
-        except Exception as exc:
-            raise WeightSyncError(f"weight sync channel {cfg.channel!r}: the store went away while waiting for "
-                                  f"{', '.join(missing)}: {_first_line(exc)}") from exc
-        if not missing:
-            return
-        if time.monotonic() > deadline:
-            break
-        time.sleep(_POLL_S)
-    message = (f"weight sync channel {cfg.channel!r}: {', '.join(missing)} did not join within {cfg.timeout_s} s; "
-               "start a sender on every pipeline rank (dp=tp=0) and a receiver on every engine, with the same "
-               "sync config")
-    store.set("abort", message)
-    if me == sides[0]:
-        present = [f"seen-abort/{w}" for w in sides if w not in missing and w != me]
-        linger = time.monotonic() + cfg.timeout_s
-        while time.monotonic() < linger and not all(store.check([k]) for k in present):
-            time.sleep(_POLL_S)
-    raise WeightSyncError(message)
-
-
-def _join(cfg: WeightSyncConfig, store: dist.Store, me: str, specs: list[TensorSpec], backend: str) -> SyncPlan:
-    """Post this side's signature, read everyone's, and plan (the same plan, or the same error, on
-    every side)."""
-    sources = [f"pp={p}" for p in range(cfg.num_sources)]
-    engines = [f"engine {e}" for e in range(cfg.num_engines)]
-    keys = [f"join/{who}" for who in sources + engines]
-    store.set(f"join/{me}", json.dumps({"specs": specs, "backend": backend}))
-    _await_peers(store, cfg, me, sources + engines)
-    table = {k.removeprefix("join/"): json.loads(store.get(k)) for k in keys}
-    # The store's host may leave as soon as it has planned (a mismatch ends every side): it first
-    # waits, bounded, until every side has read the table too.
-    store.set(f"read/{me}", "1")
-    if me == sources[0]:
-        try:
-            store.wait([f"read/{who}" for who in sources + engines], cfg.timeout)
-        except Exception:
-            log.warning("weight sync channel %r: not every side read the signatures", cfg.channel)
-
-    def specs_of(who: str) -> list[TensorSpec]:
-        return [(n, tuple(shape), dtype) for n, shape, dtype in table[who]["specs"]]
-
-    return plan_sync([specs_of(w) for w in sources], [specs_of(w) for w in engines], cfg.bucket_bytes,
-                     {w: table[w]["backend"] for w in sources + engines})
-
-
-def _new_group(backend: str, store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
-    opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = timeout
-    return dist.ProcessGroupNCCL(store, rank, size, opts)
 
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -165,11 +67,6 @@ class _StreamHash:
 
     def digests(self) -> list[bytes]:
         return [h.digest() for h in self.hashers]
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else 'no message'}"
 
 
 class _Endpoint:
@@ -221,15 +118,15 @@ class WeightSender(_Endpoint):
             raise ValueError(f"pp={pp_rank} holds tensors on several devices {sorted(map(str, devices))}; "
                              "send from one device")
         device = devices.pop() if devices else torch.device("cpu")
-        backend = _resolve_backend(cfg, device)
-        store = _open_store(cfg, host=pp_rank == 0)
-        plan = _join(cfg, store, f"pp={pp_rank}", tensor_specs(tensors), backend)
+        backend = resolve_backend(cfg, device)
+        store = open_store(cfg, host=pp_rank == 0)
+        plan = join(cfg, store, f"pp={pp_rank}", tensor_specs(tensors), backend)
         where = f"weight sync sender pp={pp_rank}"
         try:
-            group = _new_group(backend, dist.PrefixStore(f"pg{pp_rank}/", store), 0, 1 + cfg.num_engines, cfg.timeout)
+            group = new_group(backend, dist.PrefixStore(f"pg{pp_rank}/", store), 0, 1 + cfg.num_engines, cfg.timeout)
         except Exception as exc:
             raise WeightSyncError(f"{where}: the engines did not join its group within {cfg.timeout_s} s: "
-                                  f"{_first_line(exc)}") from exc
+                                  f"{first_line(exc)}") from exc
         return cls(cfg, plan, store, {pp_rank: group}, device, where, pp_rank, tensor_specs(tensors))
 
     def __init__(self, cfg: WeightSyncConfig, plan: SyncPlan, store: dist.Store, groups: dict[int, dist.ProcessGroup],
@@ -290,7 +187,7 @@ class WeightSender(_Endpoint):
         try:
             work.wait()
         except Exception as exc:
-            raise self._fail(f"sending {what} to the engines failed: {_first_line(exc)}") from exc
+            raise self._fail(f"sending {what} to the engines failed: {first_line(exc)}") from exc
 
 
 # -- the rollout side ---------------------------------------------------------------------------------
@@ -307,18 +204,18 @@ class WeightReceiver(_Endpoint):
             raise ValueError(f"engine_index={engine_index} is outside the channel's {cfg.num_engines} engines")
         device = torch.device(device)
         specs = tensor_specs(expected) if isinstance(expected, Mapping) else sorted(expected)
-        backend = _resolve_backend(cfg, device)
-        store = _open_store(cfg, host=False)
-        plan = _join(cfg, store, f"engine {engine_index}", specs, backend)
+        backend = resolve_backend(cfg, device)
+        store = open_store(cfg, host=False)
+        plan = join(cfg, store, f"engine {engine_index}", specs, backend)
         where = f"weight sync receiver engine {engine_index}"
         groups = {}
         for p in range(cfg.num_sources):
             try:
-                groups[p] = _new_group(backend, dist.PrefixStore(f"pg{p}/", store), 1 + engine_index,
+                groups[p] = new_group(backend, dist.PrefixStore(f"pg{p}/", store), 1 + engine_index,
                                        1 + cfg.num_engines, cfg.timeout)
             except Exception as exc:
                 raise WeightSyncError(f"{where}: the group of pp={p} did not form within {cfg.timeout_s} s: "
-                                      f"{_first_line(exc)}") from exc
+                                      f"{first_line(exc)}") from exc
         return cls(cfg, plan, store, groups, device, where)
 
     def __init__(self, cfg: WeightSyncConfig, plan: SyncPlan, store: dist.Store, groups: dict[int, dist.ProcessGroup],
@@ -407,4 +304,4 @@ class WeightReceiver(_Endpoint):
         try:
             work.wait()
         except Exception as exc:
-            raise self._fail(f"receiving {what} from pp={source} failed: {_first_line(exc)}") from exc
+            raise self._fail(f"receiving {what} from pp={source} failed: {first_line(exc)}") from exc

@@ -1,6 +1,8 @@
-"""In-memory weight sync: two pipeline ranks of a tiny decoder broadcast to one engine (gloo, local
-processes). After a sync the engine's weights equal the trainers' bit for bit; a signature
-mismatch or a dying sender ends every side within the timeout; a wrong version is refused."""
+"""In-memory weight sync: two pipeline ranks of a tiny decoder broadcast to one or two engines
+(gloo, local processes). After a sync the engine's weights equal the trainers' bit for bit and its
+tag carries the version and the content hash of an independent full-model hash; a signature
+mismatch, a missing peer, a dying or stalling sender and bytes that do not match their digests end
+every side within the timeout with a one-line error; a wrong version is refused."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from flows.schema import ConfigError, GRPOConfig
+from stages.data import DatasetError
 
 __all__ = ["load_config"]
 
@@ -37,6 +38,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         cfg = OmegaConf.to_object(merged)
     except ConfigError:
         raise
+    except DatasetError as exc:  # raised by the dataset section's own checks
+        raise ConfigError(_first_line(exc)) from None
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None)
         where = f"{key}: " if key else ""

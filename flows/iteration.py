@@ -73,7 +73,7 @@ class StageFutures:
 
 
 def step_layout(cfg: GRPOConfig) -> StepLayout:
-    return StepLayout(cfg.task.prompts_per_step, cfg.rollout.group_size, cfg.task.prompt_width,
+    return StepLayout(cfg.task.prompts_per_step, cfg.rollout.group_size, cfg.prompt_width,
                       cfg.rollout.max_new_tokens)
 
 

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from stages.config import (AdvantageConfig, ConfigError, ModelConfig, RewardConfig, RolloutConfig, TaskConfig,
                            TrainConfig, WarmupConfig)
+from stages.data import DatasetConfig, DatasetError
 from stages.layout import parallel_layout_error
 from stages.train.buckets import BucketedLayout, bucketed_layout, microbatches_per_pass
 from stages.train.plan import MicrobatchLayout, microbatch_layout
@@ -61,6 +62,9 @@ class GRPOConfig:
     iterations: int = 20
     """GRPO iterations (steps) of the run; a rerun continues after the last published one."""
     task: TaskConfig = field(default_factory=TaskConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    """Where prompts come from (stages/data/config.py documents each key): the built-in addition task
+    by default, or a JSONL / Parquet / saved HF datasets file of your own."""
     model: ModelConfig = field(default_factory=ModelConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -79,7 +83,28 @@ class GRPOConfig:
             self.run_name and all(c.isalnum() or c in "-_." for c in self.run_name),
             f"run_name={self.run_name!r} may hold only letters, digits, '-', '_' and '.'",
         )
+        self._check_dataset()
         self._check_parallel_layout()
+
+    def _check_dataset(self) -> None:
+        d = self.dataset
+        if d.kind != "addition":
+            _require(self.model.path is not None,
+                     f"dataset.kind={d.kind} needs model.path (an HF model folder with its tokenizer): the "
+                     "built-in tiny model only knows the addition task")
+            _require(d.max_prompt_tokens is not None,
+                     f"dataset.kind={d.kind} needs dataset.max_prompt_tokens: it is the step layout's prompt "
+                     "width (prompts are tokenised on the workers, after the layout is fixed)")
+
+    @property
+    def prompt_width(self) -> int:
+        """Token slots of the step layout's prompt column: the addition prompt "<bos>a+b=" (1 + 2 x
+        num_digits + 2) for the built-in task, else dataset.max_prompt_tokens (a longer prompt is
+        refused or truncated by the prompt source, as dataset.overflow says)."""
+        d = self.dataset
+        if d.kind == "addition":
+            return 1 + 2 * d.num_digits + 2
+        return int(d.max_prompt_tokens or 0)
 
     def _check_parallel_layout(self) -> None:
         """Batch split, tensor split and schedule constraints, each in one line naming the key."""
@@ -109,7 +134,7 @@ class GRPOConfig:
         max_new_tokens; M = the worst case's count, a multiple of data_parallel_size. With
         train.length_buckets: the buckets' shapes, M = one pass (stages/train/buckets.py)."""
         t = self.train
-        width, new = self.task.prompt_width, self.rollout.max_new_tokens
+        width, new = self.prompt_width, self.rollout.max_new_tokens
         budget = t.max_tokens_per_microbatch or t.micro_batch_size * (width + new)
         if t.length_buckets is not None:
             m = microbatches_per_pass(t.schedule, t.pipeline_model_parallel_size,

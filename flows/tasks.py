@@ -16,15 +16,15 @@ import torch
 
 from flows.schema import GRPOConfig, config_hash
 from stages.advantage import normalize_advantages
+from stages.data import PromptRecord, PromptSource, open_prompt_source
 from stages.policy import DecoderConfig, build_stage, load_hf_state
 from stages.policy.tokenizer import TextCodec
 from stages.rollout.rows import generate_rows
 from stages.steps import reward_statistics, score_rows, tiny_base_policy, tiny_max_positions, train_setup
-from stages.tasks.addition import make_prompts
 from stages.train.batch import build_global_batch
 from stages.train.engine import InjectedFault, TrainRank, rank_tensor_names
 from stages.train.timeline import chrome_events
-from storage.policies import PolicyRef, PolicyStore, load_model_folder, load_tokenizer_json
+from storage.policies import PolicyRef, PolicyStore, load_model_folder
 from storage.rollouts import RolloutStore, StepRef
 from storage.run_folder import RunFolder
 
@@ -36,7 +36,8 @@ __all__ = [
 # Worker-process registries (see the module docstring).
 _TRAIN_RANKS: dict[str, TrainRank] = {}
 _ROLLOUT_MODELS: dict[str, tuple[str, torch.nn.Module, TextCodec]] = {}
-_CODECS: dict[str, TextCodec] = {}
+_CODECS: dict[tuple[str, bool], TextCodec] = {}
+_SOURCES: dict[str, PromptSource] = {}
 
 
 def _threads() -> None:
@@ -49,10 +50,20 @@ def worker_ready() -> bool:
     return True
 
 
-def _codec(policy_path: str) -> TextCodec:
-    if policy_path not in _CODECS:
-        _CODECS[policy_path] = TextCodec.from_json(load_tokenizer_json(policy_path))
-    return _CODECS[policy_path]
+def _codec(cfg: GRPOConfig, policy_path: str) -> TextCodec:
+    key = (policy_path, cfg.dataset.chat_template)
+    if key not in _CODECS:
+        _CODECS[key] = TextCodec.from_policy_folder(policy_path, cfg.dataset.chat_template)
+    return _CODECS[key]
+
+
+def _records(cfg: GRPOConfig, policy_path: str, step: int, first: int, stop: int) -> list[PromptRecord]:
+    """Prompts [first, stop) of the step. The source tokenises its data once per worker, with the
+    policy's tokenizer (the same in every version of a run)."""
+    key = config_hash({"run": cfg.run_name, "dataset": cfg.dataset, "prompts_per_step": cfg.task.prompts_per_step})
+    if key not in _SOURCES:
+        _SOURCES[key] = open_prompt_source(cfg.dataset, _codec(cfg, policy_path), cfg.task.prompts_per_step)
+    return _SOURCES[key].records(step)[first:stop]
 
 
 def make_base_policy(cfg: GRPOConfig, folder: RunFolder) -> PolicyRef:
@@ -62,14 +73,14 @@ def make_base_policy(cfg: GRPOConfig, folder: RunFolder) -> PolicyRef:
     store = folder.policy_store()
     if cfg.model.path:
         hf_config, tokenizer_json, tensors = load_model_folder(cfg.model.path)
-        return store.save_policy(0, hf_config, tokenizer_json, tensors, extra={"source": cfg.model.path})
-    max_new = cfg.rollout.max_new_tokens
-    key = config_hash({"model": cfg.model, "warmup": cfg.warmup, "task": cfg.task.name,
-                       "num_digits": cfg.task.num_digits, "seed": cfg.seed,
-                       "max_positions": tiny_max_positions(cfg.task, max_new)})
+        return store.save_policy(0, hf_config, tokenizer_json, tensors, extra={"source": cfg.model.path},
+                                 source=cfg.model.path)
+    max_new, digits = cfg.rollout.max_new_tokens, cfg.dataset.num_digits
+    key = config_hash({"model": cfg.model, "warmup": cfg.warmup, "task": "addition", "num_digits": digits,
+                       "seed": cfg.seed, "max_positions": tiny_max_positions(digits, max_new)})
     cache = PolicyStore(folder.base_policy_cache(key))
     if not cache.is_complete(0):
-        tiny = tiny_base_policy(cfg.model, cfg.warmup, cfg.task, max_new, cfg.seed)
+        tiny = tiny_base_policy(cfg.model, cfg.warmup, digits, max_new, cfg.seed)
         cache.save_policy(0, tiny.hf_config, tiny.tokenizer_json, tiny.tensors,
                           extra={"warmup_steps": cfg.warmup.steps})
     hf_config, tokenizer_json, tensors = load_model_folder(cache.version_path(0))
@@ -118,7 +129,7 @@ def _rank(run_name: str) -> TrainRank:
 
 
 # -- rollout ------------------------------------------------------------------------------------------
-def _rollout_model(engine_key: str, policy: PolicyRef) -> tuple[torch.nn.Module, TextCodec, float]:
+def _rollout_model(cfg: GRPOConfig, engine_key: str, policy: PolicyRef) -> tuple[torch.nn.Module, TextCodec, float]:
     """The engine's model at ``policy``; loads the version if it is not the one held (weight sync)."""
     held = _ROLLOUT_MODELS.get(engine_key)
     if held is not None and held[0] == policy.sha256:
@@ -128,7 +139,7 @@ def _rollout_model(engine_key: str, policy: PolicyRef) -> tuple[torch.nn.Module,
     model = build_stage(DecoderConfig.from_hf(hf_config))
     load_hf_state(model, tensors)
     model.eval()
-    codec = TextCodec.from_json(tokenizer_json)
+    codec = TextCodec.from_policy_folder(policy.path, cfg.dataset.chat_template)
     _ROLLOUT_MODELS[engine_key] = (policy.sha256, model, codec)
     return model, codec, time.perf_counter() - t0
 
@@ -137,10 +148,10 @@ def rollout_task(cfg: GRPOConfig, ref: StepRef, policy: PolicyRef, prompt_start:
                  engine_key: str) -> dict[str, float]:
     """Generate G completions for prompts [prompt_start, prompt_stop) of the step; write their rows."""
     _threads()
-    model, codec, load_s = _rollout_model(engine_key, policy)
+    model, codec, load_s = _rollout_model(cfg, engine_key, policy)
     store = RolloutStore(ref.root)
-    texts = make_prompts(cfg.seed, ref.step, cfg.task.prompts_per_step, cfg.task.num_digits)
-    rows = generate_rows(model, codec, texts[prompt_start:prompt_stop], cfg.rollout, seed=cfg.seed, step=ref.step,
+    records = _records(cfg, policy.path, ref.step, prompt_start, prompt_stop)
+    rows = generate_rows(model, codec, [r.prompt_ids for r in records], cfg.rollout, seed=cfg.seed, step=ref.step,
                          prompt_start=prompt_start, prompts_per_step=cfg.task.prompts_per_step,
                          prompt_width=store.layout(ref.step).prompt_width, policy_version=policy.version)
     store.write_rows(ref.step, rows.arrays, start=rows.row_start)
@@ -160,7 +171,9 @@ def score_task(cfg: GRPOConfig, ref: StepRef, policy_path: str, start: int, stop
     """Score rows [start, stop) (whole groups, chunk-aligned) and write their rewards."""
     store = RolloutStore(ref.root)
     rows = store.read(ref.step, "prompt_ids", "prompt_len", "tokens", "length", start=start, stop=stop)
-    scored = score_rows(_codec(policy_path), rows, cfg.reward.functions, cfg.reward.timeout_s)
+    G = cfg.rollout.group_size
+    records = _records(cfg, policy_path, ref.step, start // G, stop // G)
+    scored = score_rows(_codec(cfg, policy_path), rows, records, G, cfg.reward)
     store.write_rows(ref.step, {"reward": scored.reward, "reward_failed": scored.failed}, start=start)
     return {"reward_failed": float(scored.failed.sum())}
 
@@ -168,7 +181,7 @@ def score_task(cfg: GRPOConfig, ref: StepRef, policy_path: str, start: int, stop
 # -- reference log-probs ------------------------------------------------------------------------------
 def _read_sequences(store: RolloutStore, step: int) -> dict[str, np.ndarray]:
     return store.read(step, "prompt_ids", "prompt_len", "tokens", "length", "behav_logp", "ref_logp",
-                      "advantage")
+                      "advantage", "reward_failed")
 
 
 def reference_task(cfg: GRPOConfig, ref: StepRef, *deps) -> dict[str, float]:
@@ -190,10 +203,11 @@ def reference_task(cfg: GRPOConfig, ref: StepRef, *deps) -> dict[str, float]:
 def advantage_task(cfg: GRPOConfig, ref: StepRef, *deps) -> dict[str, float]:
     """Group-normalised advantages with dask.array over the stored rewards (chunks of whole groups)."""
     store = RolloutStore(ref.root)
-    adv = normalize_advantages(store.dask_array(ref.step, "reward"), cfg.rollout.group_size, cfg.advantage)
+    valid = ~store.dask_array(ref.step, "reward_failed")  # failed rewards: out of their group's statistics
+    adv = normalize_advantages(store.dask_array(ref.step, "reward"), cfg.rollout.group_size, cfg.advantage, valid)
     store.write_dask(ref.step, "advantage", adv)
-    r = store.read(ref.step, "reward", "length")
-    return reward_statistics(r["reward"], r["length"], cfg.rollout.group_size)
+    r = store.read(ref.step, "reward", "length", "reward_failed")
+    return reward_statistics(r["reward"], r["length"], cfg.rollout.group_size, r["reward_failed"])
 
 
 # -- training and publication -------------------------------------------------------------------------
@@ -204,7 +218,8 @@ def train_task(cfg: GRPOConfig, ref: StepRef, folder: RunFolder, new_version: in
     store = RolloutStore(ref.root)
     a = _read_sequences(store, ref.step)
     batch = build_global_batch(a, cfg.train.loss_aggregation, engine.setup.model.pad_token_id or 0,
-                               cfg.microbatch_layout)
+                               cfg.microbatch_layout, reward_failed=a["reward_failed"],
+                               group_size=cfg.rollout.group_size)
     result = engine.train_step(batch)
     t0 = time.perf_counter()
     layout, coord = engine.layout, engine.coord
@@ -224,4 +239,4 @@ def publish_task(folder: RunFolder, new_version: int, base: PolicyRef, step: int
     """Finish the new policy version once every pipeline rank's shard is written."""
     hf_config, tokenizer_json, _ = load_model_folder(base.path, names=set())
     return folder.policy_store().finalize_policy(new_version, hf_config, tokenizer_json, num_shards,
-                                                 extra={"step": step})
+                                                 extra={"step": step}, source=base.path)

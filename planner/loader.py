@@ -106,7 +106,7 @@ def plan_config_from_run(run: GRPOConfig, *, base_dir: str | Path = ".") -> Plan
                                   f"rollout.group_size, rollout.max_new_tokens); known: {', '.join(_PLAN_WORKLOAD_KEYS)}")
     workload = _build_section(WorkloadConfig, "plan.workload", {
         "prompts_per_step": run.task.prompts_per_step, "group_size": run.rollout.group_size,
-        "prompt_len": run.task.prompt_width, "gen_len": run.rollout.max_new_tokens, **workload_knobs})
+        "prompt_len": run.prompt_width, "gen_len": run.rollout.max_new_tokens, **workload_knobs})
     return PlanConfig(model_shape=_model_shape(run, Path(base_dir)), train=train, workload=workload, **sections)
 
 

@@ -47,22 +47,12 @@ ESTIMATORS = ("grpo", "dr_grpo")
 
 @dataclass(frozen=True)
 class TaskConfig:
-    name: str = "addition"
-    """Synthetic task with a verifiable answer (see stages/tasks)."""
-    num_digits: int = 2
-    """Operands are drawn uniformly from [0, 10**num_digits)."""
     prompts_per_step: int = 16
-    """Prompts per iteration; each gets ``rollout.group_size`` completions."""
+    """Prompts per iteration, drawn from the ``dataset:`` section (stages/data); each gets
+    ``rollout.group_size`` completions."""
 
     def __post_init__(self) -> None:
-        _one_of("task.name", self.name, ("addition",))
-        _require(1 <= self.num_digits <= 6, f"task.num_digits={self.num_digits} must be in 1..6")
         _require(self.prompts_per_step >= 1, "task.prompts_per_step must be >= 1")
-
-    @property
-    def prompt_width(self) -> int:
-        """Tokens of the longest prompt: "<bos>" + "a+b=" with num_digits-digit operands."""
-        return 1 + 2 * self.num_digits + 2
 
 
 @dataclass(frozen=True)
@@ -133,11 +123,29 @@ class RolloutConfig:
 @dataclass(frozen=True)
 class RewardConfig:
     functions: list[str] = field(default_factory=lambda: ["exact_match"])
-    """Registered reward functions (stages/reward); a sample's reward is their sum."""
+    """Reward functions: registered names (exact_match, math_answer, ...) or import paths
+    ``package.module:function``, each called with ``prompt=``, ``completion=`` and the record's
+    fields (``answer=`` ...); a sample's reward is their sum. Checked when the config loads."""
     num_tasks: int = 2
     """Parallel scoring tasks per step; each scores whole groups."""
     timeout_s: float = 5.0
-    """Wall-clock limit for one sample's reward; past it the sample scores 0 and is flagged."""
+    """Wall-clock limit for one sample's rewards; past it the scoring process is killed and the
+    sample is a failed sample (left out of its group's statistics and of the loss)."""
+    memory_limit_bytes: Optional[int] = 1 << 30
+    """Address-space limit of the reward process (RLIMIT_AS); unset: no limit."""
+
+    def __post_init__(self) -> None:
+        from stages.reward import RewardFunctionError, check_reward_functions
+
+        _require(len(self.functions) >= 1, "reward.functions must name at least one reward function")
+        _require(self.num_tasks >= 1, "reward.num_tasks must be >= 1")
+        _require(self.timeout_s > 0, "reward.timeout_s must be > 0")
+        _require(self.memory_limit_bytes is None or self.memory_limit_bytes >= 1 << 24,
+                 f"reward.memory_limit_bytes={self.memory_limit_bytes} must be >= 16 MiB (or unset)")
+        try:
+            check_reward_functions(self.functions)
+        except RewardFunctionError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
-from stages.config import ModelConfig, TaskConfig, TrainConfig, WarmupConfig
+from stages.advantage import trained_samples
+from stages.config import ModelConfig, RewardConfig, TrainConfig, WarmupConfig
+from stages.data import PromptRecord
 from stages.policy import DecoderConfig
 from stages.policy.tokenizer import TextCodec
 from stages.reward import ScoredGroups, score_samples
@@ -27,10 +30,11 @@ __all__ = ["TinyPolicy", "tiny_max_positions", "tiny_decoder_config", "tiny_base
 _WARMUP_PAIRS = 4096  # supervised examples the warm-up samples its batches from
 
 
-def tiny_max_positions(task: TaskConfig, max_new_tokens: int) -> int:
+def tiny_max_positions(num_digits: int, max_new_tokens: int) -> int:
     """The longest sequence the tiny model sees: the widest prompt ("<bos>a+b=") and the longer of
     a rollout completion (max_new_tokens) and a warm-up answer (num_digits + 1 digits and EOS)."""
-    return task.prompt_width + max(max_new_tokens, task.num_digits + 2)
+    prompt_width = 1 + 2 * num_digits + 2
+    return prompt_width + max(max_new_tokens, num_digits + 2)
 
 
 def tiny_decoder_config(model: ModelConfig, codec: TextCodec, max_positions: int) -> DecoderConfig:
@@ -52,13 +56,13 @@ class TinyPolicy:
     tensors: dict[str, torch.Tensor]  # HF names
 
 
-def tiny_base_policy(model: ModelConfig, warmup: WarmupConfig, task: TaskConfig, max_new_tokens: int,
+def tiny_base_policy(model: ModelConfig, warmup: WarmupConfig, num_digits: int, max_new_tokens: int,
                      seed: int) -> TinyPolicy:
     """The task's tiny model after ``warmup.steps`` supervised steps (deterministic in its inputs)."""
     tokenizer_json = make_tokenizer_json()
     codec = TextCodec.from_json(tokenizer_json)
-    model_cfg = tiny_decoder_config(model, codec, tiny_max_positions(task, max_new_tokens))
-    pairs = warmup_pairs(seed, _WARMUP_PAIRS, task.num_digits)
+    model_cfg = tiny_decoder_config(model, codec, tiny_max_positions(num_digits, max_new_tokens))
+    pairs = warmup_pairs(seed, _WARMUP_PAIRS, num_digits)
     tensors = supervised_warmup(model_cfg, codec, pairs, warmup.steps, warmup.batch_size, warmup.lr, seed)
     return TinyPolicy(model_cfg.to_hf(), tokenizer_json, tensors)
 
@@ -71,22 +75,38 @@ def decode_rows(codec: TextCodec, rows: dict[str, np.ndarray]) -> tuple[list[str
     return prompts, completions
 
 
-def score_rows(codec: TextCodec, rows: dict[str, np.ndarray], functions: list[str], timeout_s: float) -> ScoredGroups:
-    """Rewards of stored rows: decode them, then score with the named reward functions."""
-    prompts, completions = decode_rows(codec, rows)
-    return score_samples(prompts, completions, functions, timeout_s)
+def score_rows(codec: TextCodec, rows: dict[str, np.ndarray], records: Sequence[PromptRecord], group_size: int,
+               reward: RewardConfig) -> ScoredGroups:
+    """Rewards of stored rows (whole groups; ``records`` are their prompts, one per group): the
+    completions are decoded, the prompt text and the record's fields (``answer`` ...) come from the
+    record, so a reward judges the prompt as written, not its chat-templated tokens."""
+    _, completions = decode_rows(codec, rows)
+    if len(completions) != len(records) * group_size:
+        raise ValueError(f"{len(completions)} rows are not {len(records)} groups of {group_size}")
+    prompts = [r.prompt for r in records for _ in range(group_size)]
+    fields = [r.reward_kwargs() for r in records for _ in range(group_size)]
+    return score_samples(prompts, completions, list(reward.functions), reward.timeout_s, fields=fields,
+                         memory_limit_bytes=reward.memory_limit_bytes)
 
 
-def reward_statistics(reward: np.ndarray, length: np.ndarray, group_size: int) -> dict[str, float]:
-    """The step's reward metrics. reward, length: [num_samples], G rows per group contiguous.
+def reward_statistics(reward: np.ndarray, length: np.ndarray, group_size: int,
+                      failed: Optional[np.ndarray] = None) -> dict[str, float]:
+    """The step's reward metrics. reward, length, failed: [num_samples], G rows per group contiguous.
 
-    reward_std is the population deviation (ddof=0) over the step; a zero-variance group (all G
-    rewards equal) has zero advantage and gives no learning signal."""
+    Means and reward_std (population deviation, ddof=0) are over the samples whose reward was
+    scored; a failed sample (stages/reward) is counted, not averaged. A zero-variance group (all its
+    scored rewards equal) has zero advantage and gives no learning signal."""
     if len(reward) % group_size:
         raise ValueError(f"{len(reward)} rewards do not form whole groups of {group_size}")
-    grouped = reward.reshape(-1, group_size)  # [num_groups, G]
-    return {"reward_mean": float(reward.mean()), "reward_std": float(reward.std()),
-            "zero_variance_groups": float((grouped.std(axis=1) == 0).sum()),
+    ok = np.ones(len(reward), bool) if failed is None else ~np.asarray(failed, bool)
+    trained = trained_samples(ok, group_size).reshape(-1, group_size)  # [num_groups, G]
+    grouped = reward.reshape(-1, group_size)
+    spread = np.where(trained, grouped, -np.inf).max(axis=1) - np.where(trained, grouped, np.inf).min(axis=1)
+    scored = reward[ok] if ok.any() else np.zeros(1, np.float32)
+    return {"reward_mean": float(scored.mean()), "reward_std": float(scored.std()),
+            "reward_failed": float((~ok).sum()),
+            "untrained_groups": float((~trained.any(axis=1)).sum()),
+            "zero_variance_groups": float((trained.any(axis=1) & (spread == 0)).sum()),
             "completion_length_mean": float(length.mean())}
 
 

@@ -62,6 +62,19 @@ class TextCodec:
         return cls(tok, ids[0], (ids[1],), ids[2], prepend_bos=True, bos_token=bos, eos_token=eos)
 
     @classmethod
+    def from_policy_folder(cls, path: str | Path, use_chat_template: bool = True) -> "TextCodec":
+        """A policy version's tokenizer: an HF folder (:meth:`from_folder`) when it carries
+        tokenizer_config.json or generation_config.json, else the built-in tiny tokenizer's lone
+        tokenizer.json with its literal special tokens (:meth:`from_json`)."""
+        folder = Path(path)
+        if (folder / "tokenizer_config.json").is_file() or (folder / "generation_config.json").is_file():
+            return cls.from_folder(folder, use_chat_template)
+        tok_file = folder / "tokenizer.json"
+        if not tok_file.is_file():
+            raise TokenizerFolderError(f"{tok_file}: not found; a policy folder needs its tokenizer.json")
+        return cls.from_json(tok_file.read_text())
+
+    @classmethod
     def from_folder(cls, path: str | Path, use_chat_template: bool = True) -> "TextCodec":
         """An HF tokenizer folder: tokenizer.json plus the optional config files named above."""
         folder = Path(path)

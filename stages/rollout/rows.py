@@ -1,4 +1,4 @@
-"""A rollout task's work: encode its prompts, sample G completions each, and lay them out as the
+"""A rollout task's work: sample G completions of each tokenised prompt, and lay them out as the
 rows of the step's store.
 
 Rows of prompt p (0-based within the step) are rows [p * G, (p + 1) * G) of the step, and carry
@@ -9,6 +9,7 @@ by (run seed, step, first prompt): a rerun of a step's range regenerates the sam
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -49,7 +50,7 @@ def first_group_id(step: int, prompts_per_step: int, prompt_start: int) -> int:
 
 
 def sampling_params(cfg: RolloutConfig, codec: TextCodec) -> SamplingParams:
-    return SamplingParams(cfg.group_size, cfg.max_new_tokens, cfg.temperature, cfg.top_p, (codec.eos_id,),
+    return SamplingParams(cfg.group_size, cfg.max_new_tokens, cfg.temperature, cfg.top_p, tuple(codec.eos_ids),
                           codec.pad_id)
 
 
@@ -74,12 +75,13 @@ def rollout_rows(batch: RolloutBatch, prompt_width: int, pad_id: int, first_grou
     return RolloutRows(row_start, arrays, metrics)
 
 
-def generate_rows(model: torch.nn.Module, codec: TextCodec, prompts: list[str], cfg: RolloutConfig, *, seed: int,
-                  step: int, prompt_start: int, prompts_per_step: int, prompt_width: int,
+def generate_rows(model: torch.nn.Module, codec: TextCodec, prompt_ids: Sequence[Sequence[int]], cfg: RolloutConfig,
+                  *, seed: int, step: int, prompt_start: int, prompts_per_step: int, prompt_width: int,
                   policy_version: int) -> RolloutRows:
-    """Sample ``cfg.group_size`` completions of each prompt text (prompts ``prompt_start`` onwards of
-    the step) and return their rows."""
-    ids = [[codec.bos_id] + codec.encode(t) for t in prompts]
+    """Sample ``cfg.group_size`` completions of each tokenised prompt (prompts ``prompt_start``
+    onwards of the step, as the prompt source gives them: template and BOS included) and return
+    their rows."""
+    ids = [list(p) for p in prompt_ids]
     gen = torch.Generator().manual_seed(rollout_seed(seed, step, prompt_start))
     batch = generate(model, ids, sampling_params(cfg, codec), gen)
     return rollout_rows(batch, prompt_width, codec.pad_id, first_group_id(step, prompts_per_step, prompt_start),

@@ -47,7 +47,7 @@ def test_score_task_on_fixture_rows(step0):
     cfg, _, policy, store, ref = step0
     codec = TextCodec.from_json((load_model_folder(policy.path, names=set())[1]))
     G = cfg.rollout.group_size
-    prompts = make_prompts(cfg.seed, 0, cfg.task.prompts_per_step, cfg.task.num_digits)
+    prompts = make_prompts(cfg.seed, 0, cfg.task.prompts_per_step, cfg.dataset.num_digits)
     # Group 0 answers right, group 1 answers "0": rewards 1 and 0 (0 only if the sum is not 0).
     width, new = store.layout(0).prompt_width, cfg.rollout.max_new_tokens
     rows = {"prompt_ids": np.full((2 * G, width), codec.pad_id), "prompt_len": np.zeros(2 * G),
@@ -86,7 +86,7 @@ def test_rollout_reward_advantage_slice(step0):
     model = build_stage(DecoderConfig.from_hf(hf_config))
     load_hf_state(model, tensors)
     model.eval()
-    texts = make_prompts(cfg.seed, 0, P, cfg.task.num_digits)[4:8]
+    texts = make_prompts(cfg.seed, 0, P, cfg.dataset.num_digits)[4:8]
     r = cfg.rollout
     direct = generate(model, [[codec.bos_id, *codec.encode(t)] for t in texts],
                       SamplingParams(G, r.max_new_tokens, r.temperature, r.top_p, (codec.eos_id,), codec.pad_id),
@@ -95,7 +95,7 @@ def test_rollout_reward_advantage_slice(step0):
     np.testing.assert_array_equal(a["length"][4 * G:], direct.length)
     # Reward: exact match of the decoded completion with the sum, written out here.
     sums = [str(int(x) + int(y)) for x, y in (p.rstrip("=").split("+") for p in
-                                               np.repeat(make_prompts(cfg.seed, 0, P, cfg.task.num_digits), G))]
+                                               np.repeat(make_prompts(cfg.seed, 0, P, cfg.dataset.num_digits), G))]
     completions = [codec.decode(a["tokens"][i, : a["length"][i]].tolist()) for i in range(P * G)]
     expected = [float(c.strip() == s) for c, s in zip(completions, sums)]
     np.testing.assert_array_equal(a["reward"], expected)

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import transformers  # a test dependency: the tiny model's config must load there
 
-from stages.config import ModelConfig, TaskConfig, WarmupConfig
+from stages.config import ModelConfig, RewardConfig, WarmupConfig
+from stages.data import PromptRecord
 from stages.policy import DecoderConfig
 from stages.policy.tokenizer import TextCodec
 from stages.steps import (decode_rows, reward_statistics, score_rows, tiny_base_policy, tiny_decoder_config,
@@ -33,7 +34,7 @@ def test_reward_statistics_hand_worked():
     (1, 3, 8),   # "<bos>9+9=" 5 tokens + 3
 ])
 def test_tiny_max_positions_is_the_longest_sequence(num_digits, max_new, expected):
-    assert tiny_max_positions(TaskConfig(num_digits=num_digits), max_new) == expected
+    assert tiny_max_positions(num_digits, max_new) == expected
 
 
 def test_tiny_decoder_config_maps_the_model_section_and_loads_in_transformers():
@@ -51,7 +52,7 @@ def test_tiny_decoder_config_maps_the_model_section_and_loads_in_transformers():
 def test_tiny_base_policy_records_its_real_max_positions():
     policy = tiny_base_policy(ModelConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                           num_attention_heads=2, num_key_value_heads=1),
-                              WarmupConfig(steps=1, batch_size=4), TaskConfig(num_digits=2), max_new_tokens=6, seed=0)
+                              WarmupConfig(steps=1, batch_size=4), num_digits=2, max_new_tokens=6, seed=0)
     assert policy.hf_config["max_position_embeddings"] == 13
     assert policy.tokenizer_json == make_tokenizer_json()
     assert "model.embed_tokens.weight" in policy.tensors
@@ -68,6 +69,19 @@ def test_decode_and_score_stored_rows():
         rows["prompt_ids"][i, : len(ids)], rows["prompt_len"][i] = ids, len(ids)
         rows["tokens"][i, : len(out)], rows["length"][i] = out, len(out)
     assert decode_rows(codec, rows) == (prompts, answers)
-    scored = score_rows(codec, rows, ["exact_match"], timeout_s=5.0)
+    records = [PromptRecord(i, p, tuple(rows["prompt_ids"][i, :rows["prompt_len"][i]]), str(eval_sum))
+               for i, (p, eval_sum) in enumerate(zip(prompts, (19, 48)))]
+    scored = score_rows(codec, rows, records, 1, RewardConfig(functions=["exact_match"], timeout_s=5.0))
     np.testing.assert_array_equal(scored.reward, [1.0, 0.0])
     assert not scored.failed.any()
+
+
+def test_reward_statistics_leave_failed_samples_out():
+    # G = 4. Group 0: 1, 0, failed, 1 -> scored 1, 0, 1; group 1: three failed, one 1 -> untrained.
+    reward = np.array([1, 0, 0, 1, 0, 0, 0, 1], np.float32)
+    failed = np.array([0, 0, 1, 0, 1, 1, 1, 0], bool)
+    length = np.full(8, 2, np.int32)
+    stats = reward_statistics(reward, length, 4, failed)
+    assert stats["reward_mean"] == 0.75  # (1 + 0 + 1 + 1) / 4 scored samples
+    assert stats["reward_failed"] == 4.0 and stats["untrained_groups"] == 1.0
+    assert stats["zero_variance_groups"] == 0.0  # group 0 spreads; group 1 is not trained at all

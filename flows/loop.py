@@ -17,18 +17,26 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from flows import tasks
-from flows.cluster import Pools, check_pools, start_cluster
+from flows.cluster import Pools, check_pools, dashboard_link, start_cluster
 from flows.iteration import STAGES, IterationResult, run_iteration
 from stages.config import GRPOConfig, config_hash, config_to_dict
 from stages.train.local import free_port
 from storage.lineage import Lineage, default_tracking_uri
+from storage.plots import save_run_plots
+from storage.samples import load_sample_table, step_array_specs
+from storage.summary import save_summary
 from storage.policies import PolicyRef, PolicyStore
 from storage.rollouts import RolloutStore
 
-__all__ = ["RunSummary", "run", "run_dir_of", "format_summary"]
+__all__ = ["RunSummary", "run", "run_dir_of", "format_summary", "remaining_steps"]
 
 log = logging.getLogger(__name__)
 _CACHE_DIR = os.environ.get("GRPOFLOW_CACHE", "")
+# [lineage] Tracking settings until the run schema carries them (mlflow.plot_every_steps,
+# mlflow.sample_groups): how often the parent's plots are redrawn, how many groups each step's
+# samples table shows.
+_PLOT_EVERY_STEPS = 10
+_SAMPLE_GROUPS = 2
 
 
 @dataclass
@@ -87,14 +95,37 @@ def _resume_point(cfg: GRPOConfig, paths: tasks.RunPaths) -> tuple[int, int | No
     return step, (step if policies.is_complete(step) else None)
 
 
+def remaining_steps(cfg: GRPOConfig) -> range:
+    """The steps a run of ``cfg`` would still run in its run folder (empty: nothing to do)."""
+    paths = tasks.RunPaths(str(run_dir_of(cfg).resolve()))
+    return range(_resume_point(cfg, paths)[0], cfg.iterations)
+
+
+def _finished_summary(cfg: GRPOConfig, tracking_uri: str) -> RunSummary:
+    """The summary of a run with every step published, read back from its summary.json."""
+    data = json.loads((run_dir_of(cfg) / "summary.json").read_text())
+    nan = float("nan")
+    return RunSummary(
+        run_name=data["run_name"], mlflow_run_id=data["mlflow_run_id"], tracking_uri=tracking_uri,
+        iterations=data["iterations"], reward_mean=[nan if r is None else r for r in data["reward_mean"]],
+        wall_seconds=data["wall_seconds"], stage_seconds=data["stage_seconds_per_iteration"],
+        metrics=[{k: nan if v is None else v for k, v in m.items()} for m in data["metrics"]],
+        policy_path=data["policy_path"])
+
+
 def run(cfg: GRPOConfig, progress: bool = True) -> RunSummary:
-    """Run ``cfg.iterations`` GRPO iterations; writes runs/<run_name>/summary.json."""
+    """Run ``cfg.iterations`` GRPO iterations; writes runs/<run_name>/summary.json. A run folder
+    whose steps are all published is left as it is (summary.json included)."""
     start = time.perf_counter()
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     paths = tasks.RunPaths(str(run_dir.resolve()))
     tracking_uri = cfg.mlflow.tracking_uri or default_tracking_uri(run_dir)
     first_step, version = _resume_point(cfg, paths)
+    if first_step >= cfg.iterations and (run_dir / "summary.json").is_file():
+        log.info("run %s: all %d iterations are published in %s; nothing to do", cfg.run_name, cfg.iterations,
+                 run_dir)
+        return _finished_summary(cfg, tracking_uri)
     client, cluster = start_cluster(cfg)
     lineage = None
     try:
@@ -102,6 +133,7 @@ def run(cfg: GRPOConfig, progress: bool = True) -> RunSummary:
         lineage = Lineage(tracking_uri, cfg.mlflow.experiment, cfg.run_name, config_to_dict(cfg),
                           tags={"grpoflow.config_hash": config_hash(cfg), "grpoflow.resumed_from": str(first_step)},
                           artifact_location=str((run_dir / "mlartifacts").resolve()))
+        lineage.set_tags({"dask.dashboard_link": dashboard_link(client) or "none"})  # [lineage]
         cache_dir = _CACHE_DIR or str(Path(cfg.runs_dir).resolve() / "_cache")
         if version is None:
             log.info("policy v0: %s", cfg.model.path or
@@ -116,7 +148,7 @@ def run(cfg: GRPOConfig, progress: bool = True) -> RunSummary:
         results = _loop(client, cfg, pools, paths, policy, first_step, lineage, progress)
         summary = _summarise(cfg, lineage, tracking_uri, results, time.perf_counter() - start)
         summary_path = run_dir / "summary.json"
-        summary_path.write_text(json.dumps(summary.to_json(), indent=1))
+        save_summary(summary_path, summary.to_json())
         lineage.log_summary({"wall_seconds": summary.wall_seconds}, [str(summary_path)])
         lineage.finish()
         return summary
@@ -148,20 +180,34 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, paths: tasks.RunPaths, policy: 
             bar.set_postfix_str(stage)
             bar.update(1)
 
-        result = run_iteration(client, cfg, pools, paths, step, policy, on_stage=advance,
-                               timeout_s=cfg.cluster.iteration_timeout_s)
+        handle = lineage.start_step(step, policy.version)  # [lineage] the child run spans the step
+        try:
+            result = run_iteration(client, cfg, pools, paths, step, policy, on_stage=advance,
+                                   timeout_s=cfg.cluster.iteration_timeout_s)
+        except BaseException:
+            handle.end("FAILED")
+            raise
         bar.close()
         t0 = time.perf_counter()
         store.mark_complete(step, "publish", next_policy_version=result.policy.version)
         result.metrics["publish_seconds_total"] = result.stage_seconds["publish"]
         trace_path = timelines / f"step_{step}.json"
         trace_path.write_text(json.dumps({"traceEvents": result.trace_events, "displayTimeUnit": "ms"}))
-        cid = lineage.log_iteration(step, result.metrics, store.ref(step).path, store.digest(step),
-                                    result.policy.path, result.policy.sha256, result.policy.version)
-        lineage.log_artifact(cid, str(trace_path), "timelines")
+        # [lineage] metrics, policy, dataset with schema, decoded samples, timeline; then end the child run.
+        handle.log_metrics(result.metrics)
+        handle.log_policy(result.policy.version, result.policy.path, result.policy.sha256)
+        handle.log_rollouts(store.ref(step).path, store.digest(step), step_array_specs(paths.rollouts, step))
+        handle.log_samples(load_sample_table(paths.rollouts, step, f"{policy.path}/tokenizer.json",
+                                             getattr(cfg.mlflow, "sample_groups", _SAMPLE_GROUPS)))
+        handle.log_artifact(str(trace_path), "timelines")
+        handle.end()
         result.metrics["lineage_seconds"] = time.perf_counter() - t0
         policy = result.policy
         results.append(result)
+        every = getattr(cfg.mlflow, "plot_every_steps", _PLOT_EVERY_STEPS)  # [lineage] refresh the plots
+        if (len(results) % every == 0) or step == cfg.iterations - 1:
+            lineage.log_plots(save_run_plots([{"step": r.step, **r.metrics} for r in results],
+                                             Path(paths.run_dir) / "plots", STAGES))
         outer.set_postfix(reward=f"{result.metrics.get('reward_mean', float('nan')):.3f}")
     return results
 

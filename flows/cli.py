@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -62,7 +63,7 @@ def _tracking_store(target: str, overrides: list[str]) -> tuple[str, str | None]
 
 
 def _cmd_ui(args: argparse.Namespace) -> int:
-    from storage.lineage import experiment_page, ui_command
+    from storage.lineage import experiment_page, ui_command, ui_environment
 
     uri, experiment = _tracking_store(args.target, args.overrides)
     address = f"http://127.0.0.1:{args.port}"
@@ -72,7 +73,7 @@ def _cmd_ui(args: argparse.Namespace) -> int:
     if page:
         print(f"training runs: {address}/{page}", flush=True)
     try:
-        return subprocess.call(ui_command(uri, args.port))
+        return subprocess.call(ui_command(uri, args.port), env=ui_environment(dict(os.environ)))
     except KeyboardInterrupt:
         return 0
 

@@ -31,7 +31,7 @@ from mlflow.types import Schema, TensorSpec
 __all__ = [
     "EXPERIMENT_KIND_TAG", "TRAINING_EXPERIMENT_KIND", "ZarrDatasetSource", "Lineage", "StepRun",
     "default_tracking_uri", "experiment_page", "flatten", "git_commit", "iteration_runs", "rollout_schema",
-    "ui_command",
+    "ui_command", "ui_environment",
 ]
 
 _MAX_PARAM_LEN = 500  # MLflow's limit on a param value's length
@@ -249,6 +249,12 @@ def ui_command(tracking_uri: str, port: int, host: str = "127.0.0.1") -> list[st
     one reader; the default of 4 only costs memory and start-up time)."""
     return [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri, "--host", host,
             "--port", str(port), "--workers", "1"]
+
+
+def ui_environment(base: dict[str, str]) -> dict[str, str]:
+    """``base`` with MLflow's server-side job runner off: it serves GenAI jobs (scorers, trace
+    archival) through a pool of worker processes that a training store never uses."""
+    return {**base, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 
 
 def experiment_page(tracking_uri: str, experiment: str | None = None) -> str | None:

@@ -29,6 +29,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     summary = run(cfg, progress=not args.quiet)
     print(format_summary(summary))
     print(f"summary: {run_dir_of(cfg) / 'summary.json'}")
+    print(f"browse it: grpoflow ui {run_dir_of(cfg)}")
     return 0
 
 

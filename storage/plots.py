@@ -11,11 +11,18 @@ from pathlib import Path
 from typing import Sequence
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 __all__ = ["PLOT_FILES", "save_run_plots"]
 
 PLOT_FILES = ("reward.png", "stage_seconds.png", "bubble.png")
 _DPI = 100  # 6.4 x 3.6 in -> 640 x 360 px: legible in MLflow's artifact preview, small on disk
+
+
+def _axes(fig: Figure):
+    ax = fig.add_subplot()
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+    return ax
 
 
 def _steps(metrics: Sequence[dict[str, float]]) -> list[int]:
@@ -24,7 +31,7 @@ def _steps(metrics: Sequence[dict[str, float]]) -> list[int]:
 
 def _reward(metrics: Sequence[dict[str, float]], path: Path) -> None:
     fig = Figure(figsize=(6.4, 3.6))
-    ax = fig.add_subplot()
+    ax = _axes(fig)
     steps = _steps(metrics)
     mean = [m.get("reward_mean", float("nan")) for m in metrics]
     ax.plot(steps, mean, marker="o", markersize=3, label="reward_mean")
@@ -40,7 +47,7 @@ def _reward(metrics: Sequence[dict[str, float]], path: Path) -> None:
 
 def _stage_seconds(metrics: Sequence[dict[str, float]], stages: Sequence[str], path: Path) -> None:
     fig = Figure(figsize=(6.4, 3.6))
-    ax = fig.add_subplot()
+    ax = _axes(fig)
     steps = _steps(metrics)
     bottom = [0.0] * len(metrics)
     for stage in stages:
@@ -55,7 +62,7 @@ def _stage_seconds(metrics: Sequence[dict[str, float]], stages: Sequence[str], p
 
 def _bubble(metrics: Sequence[dict[str, float]], path: Path) -> None:
     fig = Figure(figsize=(6.4, 3.6))
-    ax = fig.add_subplot()
+    ax = _axes(fig)
     steps = _steps(metrics)
     ranks = sorted({k for m in metrics for k in m if k.startswith("bubble_fraction_rank")},
                    key=lambda k: int(k.removeprefix("bubble_fraction_rank")))

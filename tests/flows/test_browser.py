@@ -132,7 +132,7 @@ def page():
 
 
 @pytest.mark.browser
-def test_mlflow_ui_shows_runs_plots_and_samples(finished_run, ui, page):
+def test_mlflow_ui_shows_runs_plots_and_samples(page, finished_run, ui):
     _, summary, _ = finished_run
     address, runs_url = ui
     shots = _artifacts_dir()

@@ -23,10 +23,10 @@ from stages.config import GRPOConfig, config_hash, config_to_dict
 from stages.train.local import free_port
 from storage.lineage import Lineage, default_tracking_uri
 from storage.plots import save_run_plots
-from storage.samples import load_sample_table, step_array_specs
-from storage.summary import save_summary
 from storage.policies import PolicyRef, PolicyStore
 from storage.rollouts import RolloutStore
+from storage.samples import load_sample_table, step_array_specs
+from storage.summary import save_summary
 
 __all__ = ["RunSummary", "run", "run_dir_of", "format_summary", "remaining_steps"]
 

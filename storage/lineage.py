@@ -144,6 +144,8 @@ class StepRun:
 
     def log_samples(self, table: dict[str, list], artifact_file: str | None = None) -> None:
         """A table of decoded samples (equal-length columns), shown by the run's artifact view."""
+        if not any(table.values()):  # zero groups asked for: no empty table in the UI
+            return
         name = artifact_file or f"samples/step_{self.step}.json"
         self.lineage.client.log_table(self.run_id, data=table, artifact_file=name)
 

@@ -5,7 +5,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONFIG ?= configs/tiny.yaml
 
-.PHONY: run test setup plan clean
+CHROMIUM := /usr/bin/chromium
+
+.PHONY: run test setup chromium plan clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -15,12 +17,23 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-setup: $(STAMP)
+setup: $(STAMP) chromium
+
+# Debian's Chromium for tests/flows/test_browser.py (driven by playwright, never `playwright install`).
+# Installed only when missing and only as root with apt-get; otherwise, or if apt fails, setup goes
+# on and that test skips.
+chromium:
+	@if [ -x $(CHROMIUM) ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing chromium for the browser test (apt-get)"; \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+	    || echo "chromium could not be installed: tests/flows/test_browser.py will skip"; \
+	else echo "no $(CHROMIUM) (needs root and apt-get to install): tests/flows/test_browser.py will skip"; fi
 
 run: $(STAMP)
 	$(BIN)/grpoflow run $(CONFIG)
 
-test: $(STAMP)
+test: setup
 	$(BIN)/python -m pytest -q -x --durations=15
 
 plan: $(STAMP)

@@ -1,40 +1,81 @@
-"""The ``grpoflow`` command line: run iterations, open the MLflow UI, plan a deployment."""
+"""The grpoflow command line: run iterations, show a config, open the MLflow UI, plan a deployment."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 __all__ = ["main"]
 
 
+_OVERRIDES_HELP = "optional key=value overrides of the config, e.g. iterations=5 train.schedule=gpipe"
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from flows.config import load_config
-    from flows.loop import format_summary, run, run_folder
+    from flows.loop import format_summary, remaining_steps, run, run_folder
 
     cfg = load_config(args.config, args.overrides)
+    folder = run_folder(cfg)
+    if not remaining_steps(cfg) and Path(folder.summary).is_file():
+        print(f"run {cfg.run_name}: all {cfg.iterations} iterations are published in {folder.root}; "
+              "nothing to do (raise iterations= to continue it)")
+        return 0
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("flows").setLevel(logging.WARNING if args.quiet else logging.INFO)
     summary = run(cfg, progress=not args.quiet)
     print(format_summary(summary))
-    print(f"summary: {run_folder(cfg).summary}")
+    print(f"summary: {folder.summary}")
+    print(f"browse it: grpoflow ui {folder.root}")
     return 0
 
 
-def _cmd_ui(args: argparse.Namespace) -> int:
+def _cmd_config(args: argparse.Namespace) -> int:
     from flows.config import load_config
-    from flows.loop import tracking_uri
+    from flows.describe import config_keys, describe_config
 
     cfg = load_config(args.config, args.overrides)
-    uri = tracking_uri(cfg)
+    if args.keys:
+        for key, value, doc in config_keys(cfg):
+            print(f"{key}={value}" + (f"\n    {doc}" if doc else ""))
+    else:
+        print(describe_config(cfg))
+    return 0
+
+
+def _tracking_store(target: str, overrides: list[str]) -> tuple[str, str | None]:
+    """(tracking URI, experiment name or None) of a run folder or of a config (+ overrides)."""
+    from flows.config import load_config
+    from flows.loop import tracking_uri
+    from flows.schema import ConfigError
+    from storage.run_folder import RunFolder
+
+    if Path(target).is_dir():
+        if overrides:
+            raise ConfigError(f"{target} is a run folder: overrides apply to a config file, drop {overrides[0]!r}")
+        if not (Path(target) / "mlflow.db").is_file():
+            raise ConfigError(f"{target} holds no mlflow.db: give a run folder (runs/<run_name>) or a config file")
+        return RunFolder.at(Path(target).parent, Path(target).name).tracking_uri, None
+    cfg = load_config(target, overrides)
+    return tracking_uri(cfg), cfg.mlflow.experiment
+
+
+def _cmd_ui(args: argparse.Namespace) -> int:
+    from storage.lineage import experiment_page, ui_command, ui_environment
+
+    uri, experiment = _tracking_store(args.target, args.overrides)
     address = f"http://127.0.0.1:{args.port}"
     print(f"MLflow UI for {uri} at {address} (Ctrl-C stops it)", flush=True)
-    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1",
-           "--port", str(args.port)]
+    local_db = uri.startswith("sqlite:///") and Path(uri.removeprefix("sqlite:///")).is_file()
+    page = experiment_page(uri, experiment) if local_db or not uri.startswith("sqlite:") else None
+    if page:
+        print(f"training runs: {address}/{page}", flush=True)
     try:
-        return subprocess.call(cmd)
+        return subprocess.call(ui_command(uri, args.port), env=ui_environment(dict(os.environ)))
     except KeyboardInterrupt:
         return 0
 
@@ -47,16 +88,25 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="grpoflow", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("run", help="run GRPO iterations of a config")
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*", help="key=value, e.g. iterations=5 train.schedule=gpipe")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("run", help="run GRPO iterations of a config",
+                       description="Run the iterations of a config that its run folder does not hold yet.")
+    p.add_argument("config", help="a YAML config, e.g. configs/tiny.yaml")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=_OVERRIDES_HELP)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(fn=_cmd_run)
-    p = sub.add_parser("ui", help="start the MLflow UI on a run's tracking store (127.0.0.1)")
-    p.add_argument("config", nargs="?", default="configs/tiny.yaml")
-    p.add_argument("overrides", nargs="*")
-    p.add_argument("--port", type=int, default=5000)
+    p = sub.add_parser("config", help="print a resolved config with each key's documentation",
+                       description="Print a config after overrides, as YAML with each key's documentation.")
+    p.add_argument("config", help="a YAML config, e.g. configs/tiny.yaml")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=_OVERRIDES_HELP)
+    p.add_argument("--keys", action="store_true", help="list the dotted keys that overrides take instead")
+    p.set_defaults(fn=_cmd_config)
+    p = sub.add_parser("ui", help="start the MLflow UI on a run's tracking store (127.0.0.1)",
+                       description="Start the MLflow UI (one worker, bound to 127.0.0.1) on a run's tracking store.")
+    p.add_argument("target", nargs="?", default="configs/tiny.yaml", metavar="RUN_DIR|CONFIG",
+                   help="a run folder (runs/<run_name>) or a YAML config (default: configs/tiny.yaml)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=_OVERRIDES_HELP + " (with a config)")
+    p.add_argument("--port", type=int, default=5000, help="port on 127.0.0.1 (default: 5000)")
     p.set_defaults(fn=_cmd_ui)
     p = sub.add_parser("plan", help="memory, bubble and throughput of what a run config would do (plan: section for the cluster)")
     p.add_argument("config")

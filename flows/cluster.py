@@ -16,7 +16,9 @@ from distributed import Client, Nanny, Scheduler, SpecCluster
 
 from flows.schema import GRPOConfig
 
-__all__ = ["ClusterError", "Pools", "start_cluster", "check_pools"]
+__all__ = ["ClusterError", "Pools", "start_cluster", "check_pools", "dashboard_link"]
+
+log = logging.getLogger(__name__)
 
 
 class ClusterError(RuntimeError):
@@ -42,7 +44,9 @@ def _worker(resources: dict[str, int]) -> dict:
 def start_cluster(cfg: GRPOConfig) -> tuple[Client, SpecCluster | None]:
     """A client on the configured scheduler, or on a new embedded cluster sized for ``cfg``."""
     if cfg.cluster.scheduler_address:
-        return Client(cfg.cluster.scheduler_address, timeout="30s"), None
+        client = Client(cfg.cluster.scheduler_address, timeout="30s")
+        _announce_dashboard(client)
+        return client, None
     workers: dict[str, dict] = {}
     for rank in range(cfg.train.world_size):
         res = {"train": 1}
@@ -57,12 +61,31 @@ def start_cluster(cfg: GRPOConfig) -> tuple[Client, SpecCluster | None]:
     # Worker processes configure logging when they import distributed, from the environment.
     os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
     dask.config.set({"logging.distributed": "warning"})
-    scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0", "host": "127.0.0.1"}}
+    scheduler = {"cls": Scheduler, "options": {"dashboard_address": "127.0.0.1:0", "host": "127.0.0.1"}}
     for name in ("distributed.worker", "distributed.nanny", "distributed.scheduler", "distributed.core"):
         logging.getLogger(name).setLevel(logging.WARNING)
     cluster = SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.WARNING,
                           name="grpoflow")
-    return Client(cluster), cluster
+    client = Client(cluster)
+    _announce_dashboard(client)
+    return client, cluster
+
+
+def dashboard_link(client: Client) -> str | None:
+    """The Dask dashboard's URL, or None when the scheduler serves none (bokeh missing)."""
+    try:
+        services = client.scheduler_info(n_workers=0).get("services", {})
+    except Exception:  # a scheduler that cannot answer has no dashboard to show
+        return None
+    return client.dashboard_link if "dashboard" in services else None
+
+
+def _announce_dashboard(client: Client) -> None:
+    link = dashboard_link(client)
+    if link:
+        log.info("Dask dashboard: %s", link)
+    else:
+        log.info("Dask dashboard: none (the scheduler serves none; install bokeh>=3.1 for it)")
 
 
 def check_pools(client: Client, cfg: GRPOConfig, wait_s: float = 60.0) -> Pools:

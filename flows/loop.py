@@ -9,20 +9,24 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
 from flows import tasks
-from flows.cluster import Pools, check_pools, start_cluster
+from flows.cluster import Pools, check_pools, dashboard_link, start_cluster
 from flows.iteration import STAGES, IterationResult, run_iteration
 from flows.schema import GRPOConfig, config_hash, config_to_dict
+from stages.policy.tokenizer import TextCodec
 from stages.train.rendezvous import free_port
 from storage.lineage import Lineage
+from storage.plots import save_run_plots
 from storage.policies import PolicyRef
 from storage.run_folder import RunFolder
+from storage.samples import load_sample_table, step_array_specs
 
-__all__ = ["RunSummary", "run", "run_folder", "tracking_uri", "format_summary"]
+__all__ = ["RunSummary", "run", "run_folder", "tracking_uri", "format_summary", "remaining_steps"]
 
 log = logging.getLogger(__name__)
 
@@ -91,12 +95,34 @@ def _resume_point(cfg: GRPOConfig, folder: RunFolder) -> tuple[int, int | None]:
     return step, (step if policies.is_complete(step) else None)
 
 
+def remaining_steps(cfg: GRPOConfig) -> range:
+    """The steps a run of ``cfg`` would still run in its run folder (empty: nothing to do)."""
+    return range(_resume_point(cfg, run_folder(cfg))[0], cfg.iterations)
+
+
+def _finished_summary(cfg: GRPOConfig, folder: RunFolder, tracking_uri: str) -> RunSummary:
+    """The summary of a run with every step published, read back from its summary.json."""
+    data = folder.load_summary()
+    nan = float("nan")
+    return RunSummary(
+        run_name=data["run_name"], mlflow_run_id=data["mlflow_run_id"], tracking_uri=tracking_uri,
+        iterations=data["iterations"], reward_mean=[nan if r is None else r for r in data["reward_mean"]],
+        wall_seconds=data["wall_seconds"], stage_seconds=data["stage_seconds_per_iteration"],
+        metrics=[{k: nan if v is None else v for k, v in m.items()} for m in data["metrics"]],
+        policy_path=data["policy_path"])
+
+
 def run(cfg: GRPOConfig, progress: bool = True) -> RunSummary:
-    """Run ``cfg.iterations`` GRPO iterations; writes the run folder's summary.json."""
+    """Run ``cfg.iterations`` GRPO iterations; writes the run folder's summary.json. A run folder
+    whose steps are all published is left as it is (summary.json included)."""
     start = time.perf_counter()
     folder = run_folder(cfg).create()
     uri = tracking_uri(cfg)
     first_step, version = _resume_point(cfg, folder)
+    if first_step >= cfg.iterations and Path(folder.summary).is_file():
+        log.info("run %s: all %d iterations are published in %s; nothing to do", cfg.run_name, cfg.iterations,
+                 folder.root)
+        return _finished_summary(cfg, folder, uri)
     client, cluster = start_cluster(cfg)
     lineage = None
     try:
@@ -104,6 +130,7 @@ def run(cfg: GRPOConfig, progress: bool = True) -> RunSummary:
         lineage = Lineage(uri, cfg.mlflow.experiment, cfg.run_name, config_to_dict(cfg),
                           tags={"grpoflow.config_hash": config_hash(cfg), "grpoflow.resumed_from": str(first_step)},
                           artifact_location=folder.artifacts)
+        lineage.set_tags({"dask.dashboard_link": dashboard_link(client) or "none"})
         if version is None:
             log.info("policy v0: %s", cfg.model.path or
                      f"the task's tiny model, warmed up for {cfg.warmup.steps} steps (cached in {folder.cache_root})")
@@ -146,8 +173,13 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
             bar.set_postfix_str(stage)
             bar.update(1)
 
-        result = run_iteration(client, cfg, pools, folder, step, policy, on_stage=advance,
-                               timeout_s=cfg.cluster.iteration_timeout_s)
+        handle = lineage.start_step(step, policy.version)  # the child run spans the step
+        try:
+            result = run_iteration(client, cfg, pools, folder, step, policy, on_stage=advance,
+                                   timeout_s=cfg.cluster.iteration_timeout_s)
+        except BaseException:
+            handle.end("FAILED")
+            raise
         bar.close()
         if "train" in result.skipped:
             # The shards came from an earlier process; the ranks still hold the step's input
@@ -156,12 +188,19 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
         t0 = time.perf_counter()
         result.metrics["publish_seconds_total"] = result.stage_seconds["publish"]
         trace_path = folder.save_trace(step, result.trace_events)
-        cid = lineage.log_iteration(step, result.metrics, store.ref(step).path, store.digest(step),
-                                    result.policy.path, result.policy.sha256, result.policy.version)
-        lineage.log_artifact(cid, trace_path, "timelines")
+        with handle:  # metrics, policy, dataset with schema, decoded samples, timeline; ends the child run
+            handle.log_metrics(result.metrics)
+            handle.log_policy(result.policy.version, result.policy.path, result.policy.sha256)
+            handle.log_rollouts(store.ref(step).path, store.digest(step), step_array_specs(folder.rollouts, step))
+            codec = TextCodec.from_policy_folder(policy.path, cfg.dataset.chat_template)
+            handle.log_samples(load_sample_table(folder.rollouts, step, codec.decode, cfg.mlflow.sample_groups))
+            handle.log_artifact(trace_path, "timelines")
         result.metrics["lineage_seconds"] = time.perf_counter() - t0
         policy = result.policy
         results.append(result)
+        if len(results) % cfg.mlflow.plot_every_steps == 0 or step == cfg.iterations - 1:  # refresh the plots
+            lineage.log_plots(save_run_plots([{"step": r.step, **r.metrics} for r in results],
+                                             folder.plots, STAGES))
         outer.set_postfix(reward=f"{result.metrics.get('reward_mean', float('nan')):.3f}")
     return results
 

@@ -49,6 +49,14 @@ class MlflowConfig:
     tracking_uri: Optional[str] = None
     """MLflow tracking URI; unset means sqlite in the run folder (runs/<run_name>/mlflow.db)."""
     experiment: str = "grpoflow"
+    plot_every_steps: int = 10
+    """Redraw the parent run's reward, stage-seconds and bubble plots every this many steps (and at the end)."""
+    sample_groups: int = 2
+    """Groups of decoded samples (prompt, completion, reward, advantage) in each step's table; 0: none."""
+
+    def __post_init__(self) -> None:
+        _require(self.plot_every_steps >= 1, "mlflow.plot_every_steps must be >= 1")
+        _require(self.sample_groups >= 0, "mlflow.sample_groups must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -1,27 +1,45 @@
 """MLflow lineage: the only module that calls MLflow.
 
-One parent run per ``grpoflow run``; one child run per iteration with the config as params, the
-step's metrics (logged in one batch per step: a sqlite log call costs tens of milliseconds), the
-step's Zarr group as an input dataset (source type ``zarr``, with a content digest) and the
-policy version's path and hash as tags.
+One parent run per ``grpoflow run``, in an experiment tagged for MLflow's training (classic ML)
+view. The parent carries the resolved config (params and ``config.yaml``), the git commit, the
+per-step curves and the run's plots (``plots/*.png``, refreshed while the run goes). Each step is a
+child run that starts when the step starts and ends when it ends (:meth:`Lineage.start_step`),
+with the step's metrics (one batch per call: a sqlite log call costs tens of milliseconds), the
+policy versions it read and wrote, the step's Zarr group as an input dataset with the schema of
+its arrays, and a table of decoded samples.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import mlflow
+import numpy as np
 from mlflow.data.dataset_source import DatasetSource
 from mlflow.data.dataset_source_registry import register_dataset_source
 from mlflow.data.meta_dataset import MetaDataset
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
+from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+from mlflow.types import Schema, TensorSpec
 
-__all__ = ["ZarrDatasetSource", "Lineage", "flatten", "iteration_runs"]
+__all__ = [
+    "EXPERIMENT_KIND_TAG", "TRAINING_EXPERIMENT_KIND", "ZarrDatasetSource", "Lineage", "StepRun",
+    "experiment_page", "flatten", "git_commit", "iteration_runs", "rollout_schema",
+    "ui_command", "ui_environment",
+]
 
 _MAX_PARAM_LEN = 500  # MLflow's limit on a param value's length
+# MLflow 3.x picks an experiment's page (GenAI traces or training runs) from this tag; the values
+# are the UI's ExperimentKind enum ("genai_development", "custom_model_development", ...).
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+TRAINING_EXPERIMENT_KIND = "custom_model_development"
+_GIT_COMMIT_TAG = "mlflow.source.git.commit"  # MLflow's own key: the run page shows it
 
 
 class ZarrDatasetSource(DatasetSource):
@@ -67,25 +85,105 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def git_commit(cwd: str | Path | None = None) -> str:
+    """``git rev-parse HEAD`` of the checkout holding ``cwd`` (default: this package), else "unknown"."""
+    where = Path(cwd) if cwd is not None else Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
+def rollout_schema(arrays: dict[str, tuple[str, tuple[int, ...]]]) -> Schema:
+    """An MLflow schema of a step's Zarr arrays: ``{name: (dtype, shape)}``, the sample axis first
+    (shown as -1: the number of samples varies with the config)."""
+    return Schema([TensorSpec(np.dtype(dtype), (-1, *shape[1:]), name) for name, (dtype, shape) in arrays.items()])
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class StepRun:
+    """The child run of one step, open from :meth:`Lineage.start_step` until :meth:`end`.
+
+    Used as a context manager it ends FAILED when the block raises, FINISHED otherwise.
+    """
+
+    def __init__(self, lineage: "Lineage", step: int, run_id: str):
+        self.lineage, self.step, self.run_id = lineage, step, run_id
+        self.ended = False
+
+    def log_metrics(self, metrics: dict[str, float], on_parent: bool = True) -> None:
+        """The step's metrics; the parent gets them too, so the UI plots the curve on one page."""
+        self.lineage._log(self.run_id, metrics=metrics, step=self.step)
+        if on_parent:
+            self.lineage._log(self.lineage.run_id, metrics=metrics, step=self.step)
+
+    def log_policy(self, version_out: int, path: str, sha256: str) -> None:
+        """The policy version this step published."""
+        self.lineage._log(self.run_id, tags={
+            "policy.version_out": str(version_out), "policy.version": str(version_out),
+            "policy.path": path, "policy.sha256": sha256})
+
+    def log_rollouts(self, url: str, digest: str, arrays: dict[str, tuple[str, tuple[int, ...]]] | None = None
+                     ) -> None:
+        """The step's Zarr group as the run's training input; ``arrays`` ({name: (dtype, shape)})
+        become the dataset's schema."""
+        schema = rollout_schema(arrays) if arrays else None
+        dataset = MetaDataset(ZarrDatasetSource(url), name=f"rollouts/step_{self.step}", digest=digest,
+                              schema=schema)
+        # The client call, not mlflow.start_run: resuming the run there would end it on exit.
+        context = InputTag(key=MLFLOW_DATASET_CONTEXT, value="training")
+        self.lineage.client.log_inputs(self.run_id, [DatasetInput(dataset._to_mlflow_entity(), [context])])
+
+    def log_samples(self, table: dict[str, list], artifact_file: str | None = None) -> None:
+        """A table of decoded samples (equal-length columns), shown by the run's artifact view."""
+        if not any(table.values()):  # zero groups asked for: no empty table in the UI
+            return
+        name = artifact_file or f"samples/step_{self.step}.json"
+        self.lineage.client.log_table(self.run_id, data=table, artifact_file=name)
+
+    def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
+        self.lineage.client.log_artifact(self.run_id, path, artifact_path)
+
+    def end(self, status: str = "FINISHED") -> None:
+        if not self.ended:
+            self.lineage.client.set_terminated(self.run_id, status=status, end_time=_now_ms())
+            self.ended = True
+
+    def __enter__(self) -> "StepRun":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.end("FAILED" if exc_type is not None else "FINISHED")
+
+
 class Lineage:
     """A parent MLflow run for one ``grpoflow run``, and a child run per iteration."""
 
     def __init__(self, tracking_uri: str, experiment: str, run_name: str, params: dict[str, Any],
-                 tags: dict[str, str] | None = None, artifact_location: str | None = None):
+                 tags: dict[str, str] | None = None, artifact_location: str | None = None,
+                 commit: str | None = None):
         self.tracking_uri = tracking_uri
         mlflow.set_tracking_uri(tracking_uri)
         self.client = MlflowClient(tracking_uri)
         exp = self.client.get_experiment_by_name(experiment)
         self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(
             experiment, artifact_location=artifact_location)
+        self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND_TAG, TRAINING_EXPERIMENT_KIND)
         self.params = {k: str(v)[:_MAX_PARAM_LEN] for k, v in flatten(params).items()}
-        parent = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags or {})
+        all_tags = {_GIT_COMMIT_TAG: commit or git_commit(), **(tags or {})}
+        parent = self.client.create_run(self.experiment_id, run_name=run_name, tags=all_tags)
         self.run_id = parent.info.run_id
         self._log(self.run_id, params=self.params)
+        # Through JSON first: tuples become lists, which yaml.dump writes as plain YAML.
+        self.client.log_dict(self.run_id, json.loads(json.dumps(params, default=str)), "config.yaml")
 
     def _log(self, run_id: str, metrics: dict[str, float] | None = None, params: dict[str, Any] | None = None,
              tags: dict[str, str] | None = None, step: int = 0) -> None:
-        ts = int(time.time() * 1000)
+        ts = _now_ms()
         self.client.log_batch(
             run_id,
             metrics=[Metric(k, float(v), ts, step) for k, v in (metrics or {}).items()],
@@ -93,25 +191,38 @@ class Lineage:
             tags=[RunTag(k, str(v)) for k, v in (tags or {}).items()],
         )
 
+    def set_tags(self, tags: dict[str, str]) -> None:
+        """Tags on the parent run (e.g. the Dask dashboard link once the cluster is up)."""
+        self._log(self.run_id, tags=tags)
+
+    def start_step(self, step: int, policy_version_in: int) -> StepRun:
+        """Open the child run of ``step`` now (its start time is the step's); end it with
+        :meth:`StepRun.end` or use it as a context manager."""
+        child = self.client.create_run(
+            self.experiment_id, run_name=f"step={step}", start_time=_now_ms(),
+            tags={"mlflow.parentRunId": self.run_id, "grpoflow.step": str(step),
+                  "policy.version_in": str(policy_version_in)})
+        handle = StepRun(self, step, child.info.run_id)
+        self._log(handle.run_id, params=self.params)
+        return handle
+
     def log_iteration(self, step: int, metrics: dict[str, float], rollout_url: str, rollout_digest: str,
                       policy_path: str, policy_sha256: str, policy_version: int) -> str:
-        """A finished child run for one iteration; returns its run id."""
-        child = self.client.create_run(
-            self.experiment_id, run_name=f"step={step}",
-            tags={"mlflow.parentRunId": self.run_id, "grpoflow.step": str(step)})
-        cid = child.info.run_id
-        self._log(cid, metrics=metrics, params=self.params, step=step, tags={
-            "policy.path": policy_path, "policy.sha256": policy_sha256, "policy.version": str(policy_version)})
-        dataset = MetaDataset(ZarrDatasetSource(rollout_url), name=f"rollouts/step_{step}", digest=rollout_digest)
-        with mlflow.start_run(run_id=cid):
-            mlflow.log_input(dataset, context="training")
-        self.client.set_terminated(cid)
-        # The parent carries the per-iteration curve too, so the UI plots it on one page.
-        self._log(self.run_id, metrics=metrics, step=step)
-        return cid
+        """A finished child run for an iteration that has already run; returns its run id. Its
+        duration is the logging time only: prefer :meth:`start_step` around the step."""
+        with self.start_step(step, policy_version - 1) as handle:
+            handle.log_metrics(metrics)
+            handle.log_policy(policy_version, policy_path, policy_sha256)
+            handle.log_rollouts(rollout_url, rollout_digest)
+        return handle.run_id
 
     def log_artifact(self, run_id: str, path: str, artifact_path: str | None = None) -> None:
         self.client.log_artifact(run_id, path, artifact_path)
+
+    def log_plots(self, paths: list[str | Path]) -> None:
+        """PNG plots on the parent under ``plots/``; a later call with the same names replaces them."""
+        for path in paths:
+            self.client.log_artifact(self.run_id, str(path), "plots")
 
     def log_summary(self, metrics: dict[str, float], artifact_paths: list[str] = ()) -> None:
         self._log(self.run_id, metrics=metrics)
@@ -120,7 +231,7 @@ class Lineage:
                 self.client.log_artifact(self.run_id, path)
 
     def finish(self, status: str = "FINISHED") -> None:
-        self.client.set_terminated(self.run_id, status=status)
+        self.client.set_terminated(self.run_id, status=status, end_time=_now_ms())
 
 
 def iteration_runs(tracking_uri: str, parent_run_id: str):
@@ -129,3 +240,33 @@ def iteration_runs(tracking_uri: str, parent_run_id: str):
     runs = mlflow.search_runs(search_all_experiments=True,
                               filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'")
     return runs.sort_values("tags.grpoflow.step", key=lambda s: s.astype(int)).reset_index(drop=True)
+
+
+def ui_command(tracking_uri: str, port: int, host: str = "127.0.0.1") -> list[str]:
+    """The ``mlflow ui`` command serving ``tracking_uri``: one worker process (a local store has
+    one reader; the default of 4 only costs memory and start-up time)."""
+    return [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri, "--host", host,
+            "--port", str(port), "--workers", "1"]
+
+
+def ui_environment(base: dict[str, str]) -> dict[str, str]:
+    """``base`` with MLflow's server-side job runner off: it serves GenAI jobs (scorers, trace
+    archival) through a pool of worker processes that a training store never uses."""
+    return {**base, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+
+
+def experiment_page(tracking_uri: str, experiment: str | None = None) -> str | None:
+    """The UI route of a store's experiment (by name, else the newest one holding grpoflow runs),
+    opening its training-runs view; None when the store has no such experiment."""
+    client = MlflowClient(tracking_uri)
+    if experiment is not None:
+        exp = client.get_experiment_by_name(experiment)
+    else:
+        tagged = client.search_experiments(filter_string=f"tags.`{EXPERIMENT_KIND_TAG}` = '{TRAINING_EXPERIMENT_KIND}'",
+                                           order_by=["creation_time DESC"], max_results=1)
+        exp = tagged[0] if tagged else None
+    if exp is None:
+        return None
+    # The 3.x UI takes its view from the workflowType query parameter (else the browser's last
+    # choice, GenAI by default); the experiment tag alone does not switch it.
+    return f"#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning"

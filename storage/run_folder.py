@@ -23,6 +23,7 @@ from typing import Any
 
 from storage.policies import PolicyStore
 from storage.rollouts import RolloutStore
+from storage.summary import to_strict_json
 
 __all__ = ["CACHE_ENV", "RunFolderError", "RunFolder"]
 
@@ -78,6 +79,11 @@ class RunFolder:
         return f"{self.root}/mlartifacts"
 
     @property
+    def plots(self) -> str:
+        """Reward, stage-seconds and bubble plots (storage/plots.py), logged to the parent run."""
+        return f"{self.root}/plots"
+
+    @property
     def summary(self) -> str:
         return f"{self.root}/summary.json"
 
@@ -123,7 +129,7 @@ class RunFolder:
         tmp = target.with_suffix(target.suffix + ".tmp")
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(data, indent=indent))
+            tmp.write_text(json.dumps(to_strict_json(data), indent=indent, allow_nan=False))  # no bare NaN
             os.replace(tmp, target)  # a reader never sees a half-written file
         except Exception as exc:
             raise RunFolderError(f"cannot write {path}: {exc}") from exc

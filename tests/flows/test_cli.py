@@ -50,3 +50,44 @@ def test_plan_writes_the_report(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "plan.json").exists() and (tmp_path / "report.md").exists()
     assert list(tmp_path.glob("*.png"))
+
+
+def test_help_texts_are_clean_and_overrides_optional():
+    for args in (["--help"], ["run", "--help"], ["config", "--help"], ["ui", "--help"]):
+        proc = subprocess.run(GRPOFLOW + args, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert "`" not in proc.stdout, args
+    run_help = subprocess.run(GRPOFLOW + ["run", "--help"], capture_output=True, text=True, timeout=120).stdout
+    assert "[KEY=VALUE ...]" in run_help and "optional" in run_help
+
+
+def test_config_prints_documented_yaml_that_loads_back(tmp_path):
+    from flows.config import load_config
+
+    proc = subprocess.run(GRPOFLOW + ["config", "configs/tiny.yaml", "iterations=7", "train.schedule=gpipe"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    # The docstring under ClusterConfig.scheduler_address in stages/config.py, right above its key.
+    i = lines.index("  scheduler_address: null")
+    assert lines[i - 1] == "  # Connect to this Dask scheduler instead of starting an embedded local cluster."
+    assert "iterations: 7" in lines and "  schedule: gpipe" in lines
+    out = tmp_path / "resolved.yaml"
+    out.write_text(proc.stdout)
+    assert load_config(out) == load_config("configs/tiny.yaml", ["iterations=7", "train.schedule=gpipe"])
+
+
+def test_config_keys_lists_every_override_key():
+    proc = subprocess.run(GRPOFLOW + ["config", "configs/tiny.yaml", "--keys"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    keys = [line.split("=", 1)[0] for line in proc.stdout.splitlines() if not line.startswith(" ")]
+    assert "train.pipeline_model_parallel_size" in keys and "mlflow.experiment" in keys
+    assert "rollout.group_size=8" in proc.stdout.splitlines()
+    assert "    G: completions per prompt." in proc.stdout.splitlines()
+
+
+def test_ui_refuses_a_folder_without_a_tracking_store(tmp_path):
+    proc = subprocess.run(GRPOFLOW + ["ui", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "holds no mlflow.db" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

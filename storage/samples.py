@@ -1,0 +1,45 @@
+"""Views of a stored step for people: its array schema and a table of decoded samples."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import zarr
+
+from storage.rollouts import ARRAYS, RolloutStore, RolloutStoreError
+
+__all__ = ["SAMPLE_COLUMNS", "step_array_specs", "load_sample_table"]
+
+SAMPLE_COLUMNS = ("id", "prompt", "completion", "reward", "advantage", "policy_version")
+
+
+def step_array_specs(rollouts_root: str | Path, step: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``{name: (dtype, shape)}`` of the step's arrays, as stored (sample axis first)."""
+    ref = RolloutStore(rollouts_root).ref(step)
+    try:
+        group = zarr.open_group(ref.path, mode="r")
+        return {name: (str(group[name].dtype), tuple(group[name].shape)) for name in ARRAYS}
+    except Exception as exc:
+        raise RolloutStoreError(f"cannot read the array metadata of {ref}: {exc}") from exc
+
+
+def load_sample_table(rollouts_root: str | Path, step: int, decode: Callable[[list[int]], str],
+                      num_groups: int) -> dict[str, list]:
+    """The first ``num_groups`` groups of a step, one row per completion, as :data:`SAMPLE_COLUMNS`
+    columns: ids render as ``step=7/group=12/sample=3``, token ids turned into text by ``decode``
+    (the policy tokenizer's, as the reward saw them)."""
+    store = RolloutStore(rollouts_root)
+    group_size = store.attrs(step)["group_size"]
+    rows = min(num_groups * group_size, store.layout(step).num_samples)
+    a = store.read(step, "prompt_ids", "prompt_len", "tokens", "length", "reward", "advantage", "group_id",
+                   "policy_version", stop=rows)
+    table: dict[str, list] = {c: [] for c in SAMPLE_COLUMNS}
+    for i in range(rows):
+        table["id"].append(f"step={step}/group={int(a['group_id'][i])}/sample={i % group_size}")
+        table["prompt"].append(decode(a["prompt_ids"][i, : a["prompt_len"][i]].tolist()))
+        table["completion"].append(decode(a["tokens"][i, : a["length"][i]].tolist()))
+        table["reward"].append(float(a["reward"][i]))
+        table["advantage"].append(float(a["advantage"][i]))
+        table["policy_version"].append(int(a["policy_version"][i]))
+    return table

@@ -9,6 +9,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from flows.schema import ConfigError, GRPOConfig
 from stages.data import DatasetError
+from storage.model_folder import ModelFolderError
 
 __all__ = ["load_config"]
 
@@ -38,7 +39,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         cfg = OmegaConf.to_object(merged)
     except ConfigError:
         raise
-    except DatasetError as exc:  # raised by the dataset section's own checks
+    except (DatasetError, ModelFolderError) as exc:  # the dataset section's checks; an unreadable model.path
         raise ConfigError(_first_line(exc)) from None
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None)

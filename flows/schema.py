@@ -16,11 +16,16 @@ from typing import Any, Optional
 from stages.config import (AdvantageConfig, ConfigError, ModelConfig, RewardConfig, RolloutConfig, TaskConfig,
                            TrainConfig, WarmupConfig)
 from stages.data import DatasetConfig, DatasetError
-from stages.layout import parallel_layout_error
+from stages.layout import ModelShape, parallel_layout_error, shape_from_hf
 from stages.train.buckets import BucketedLayout, bucketed_layout, microbatches_per_pass
 from stages.train.plan import MicrobatchLayout, microbatch_layout
+from storage.model_folder import load_hf_config
 
 __all__ = ["ConfigError", "ClusterConfig", "MlflowConfig", "GRPOConfig", "config_hash", "config_to_dict"]
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 def _require(ok: bool, message: str) -> None:
@@ -105,6 +110,17 @@ class GRPOConfig:
                      "width (prompts are tokenised on the workers, after the layout is fixed)")
 
     @property
+    def model_shape(self) -> ModelShape:
+        """The policy's shape: model.path's config.json when set, else the built-in model section."""
+        if self.model.path is None:
+            return self.model.shape()
+        hf = load_hf_config(self.model.path)  # ModelFolderError: one line naming the folder or file
+        try:
+            return shape_from_hf(hf)
+        except ValueError as exc:  # a config.json the shared parser refuses (model_type, sizes)
+            raise ConfigError(f"model.path={self.model.path}: config.json: {_first_line(exc)}") from None
+
+    @property
     def prompt_width(self) -> int:
         """Token slots of the step layout's prompt column: the addition prompt "<bos>a+b=" (1 + 2 x
         num_digits + 2) for the built-in task, else dataset.max_prompt_tokens (a longer prompt is
@@ -126,7 +142,7 @@ class GRPOConfig:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         # The same question the planner asks of a plan (planner/validate.py), in the same words.
-        error = parallel_layout_error(m.shape(), tp=tp, pp=t.pipeline_model_parallel_size,
+        error = parallel_layout_error(self.model_shape, tp=tp, pp=t.pipeline_model_parallel_size,
                                       virtual=t.virtual_pipeline_model_parallel_size, schedule=t.schedule,
                                       num_microbatches=self.num_microbatches)
         _require(error is None, error or "")

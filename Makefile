@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONFIG ?= configs/tiny.yaml
 
-.PHONY: run test setup plan clean
+.PHONY: run test setup plan notebook clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,6 +25,17 @@ test: $(STAMP)
 
 plan: $(STAMP)
 	$(BIN)/grpoflow plan configs/seed-70b.yaml --out docs/design-70b
+
+# JupyterLab (the [notebook] extra, installed once) on notebooks/, bound to 127.0.0.1; open the
+# http://127.0.0.1:<port>/lab?token=... URL it prints.
+NOTEBOOK_PORT ?= 8888
+$(VENV)/.notebook: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[notebook]'
+	touch $@
+
+notebook: $(VENV)/.notebook
+	@echo "JupyterLab on notebooks/ at http://127.0.0.1:$(NOTEBOOK_PORT)/lab (the URL with its token follows)"
+	$(BIN)/jupyter lab --no-browser --ServerApp.ip=127.0.0.1 --ServerApp.port=$(NOTEBOOK_PORT) --ServerApp.root_dir=notebooks
 
 clean:
 	rm -rf runs .pytest_cache

@@ -1,5 +1,5 @@
 """The notebooks under notebooks/ run top to bottom twice in a row, in one kernel and one run folder
-(a user re-running all cells), and show what they promise: PNG figures and tables with rows. Each
+(a user re-running all cells; the quickstart also once more in a fresh kernel), and show what they promise: PNG figures and tables with rows. Each
 notebook's last cell checks its numbers against independent ones (hand-worked counts, a second
 read path); these tests check what a reader sees."""
 
@@ -32,18 +32,20 @@ def runs_dir(tmp_path_factory):
         yield path
 
 
-def execute_twice(name: str) -> list[list[dict]]:
-    """The outputs of every code cell, for each of two passes over the notebook in one kernel."""
+def execute(name: str, passes_per_kernel: tuple[int, ...] = (2,)) -> list[list[dict]]:
+    """The outputs of every code cell, per pass over the notebook: ``passes_per_kernel[k]`` passes in
+    the k-th kernel, each kernel started fresh."""
     nb = nbformat.read(ROOT / "notebooks" / name, as_version=4)
-    client = NotebookClient(nb, timeout=_CELL_TIMEOUT_S, kernel_name="python3",
-                            resources={"metadata": {"path": str(ROOT)}})
     passes = []
-    with client.setup_kernel():
-        for _ in range(2):
-            for index, cell in enumerate(nb.cells):
-                if cell.cell_type == "code":
-                    client.execute_cell(cell, index)  # raises CellExecutionError on a failing cell
-            passes.append([dict(o) for c in nb.cells if c.cell_type == "code" for o in c.outputs])
+    for count in passes_per_kernel:
+        client = NotebookClient(nb, timeout=_CELL_TIMEOUT_S, kernel_name="python3",
+                                resources={"metadata": {"path": str(ROOT)}})
+        with client.setup_kernel():
+            for _ in range(count):
+                for index, cell in enumerate(nb.cells):
+                    if cell.cell_type == "code":
+                        client.execute_cell(cell, index)  # raises CellExecutionError on a failing cell
+                passes.append([dict(o) for c in nb.cells if c.cell_type == "code" for o in c.outputs])
     return passes
 
 
@@ -62,10 +64,11 @@ def _table_rows(outputs: list[dict]) -> list[int]:
 
 
 def test_quickstart_trains_then_reads_back(runs_dir):
-    first, second = execute_twice("quickstart.ipynb")
+    # Rerun in the same kernel, then once more in a fresh one (reopening the notebook).
+    first, *reruns = execute("quickstart.ipynb", passes_per_kernel=(2, 1))
     assert "nothing to train" not in _text(first)
-    assert "nothing to train" in _text(second)  # the rerun reads the finished run back
-    for outputs in (first, second):
+    assert all("nothing to train" in _text(outputs) for outputs in reruns)  # the finished run is read back
+    for outputs in (first, *reruns):
         text = _text(outputs)
         assert "run quickstart: 2 iterations published" in text
         assert "checked 2 steps and 64 decoded samples" in text
@@ -77,7 +80,7 @@ def test_quickstart_trains_then_reads_back(runs_dir):
 
 
 def test_rollout_explorer_reads_every_step(runs_dir):
-    for outputs in execute_twice("rollout_explorer.ipynb"):
+    for outputs in execute("rollout_explorer.ipynb"):
         text = _text(outputs)
         assert "published steps [0, 1]" in text
         assert "checked 2 steps, 16 groups, 128 samples" in text
@@ -89,7 +92,7 @@ def test_rollout_explorer_reads_every_step(runs_dir):
 
 
 def test_planner_plots_both_plans(runs_dir):
-    for outputs in execute_twice("planner.ipynb"):
+    for outputs in execute("planner.ipynb"):
         text = _text(outputs)
         assert "plan: TP4 PP8 DP2 1f1b" in text and "plan: TP1 PP2 DP1 1f1b" in text
         assert "middle rank of the 70B plan: 2,139,258,880 parameters per GPU" in text

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONFIG ?= configs/tiny.yaml
 
-.PHONY: run test setup plan notebook clean
+.PHONY: run test setup plan clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,6 +29,7 @@ plan: $(STAMP)
 # JupyterLab (the [notebook] extra, installed once) on notebooks/, bound to 127.0.0.1. As root (containers)
 # it needs --allow-root, which jupyter otherwise refuses to start without.
 NOTEBOOK_PORT ?= 8888
+.PHONY: notebook
 $(VENV)/.notebook: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[notebook]'
 	touch $@

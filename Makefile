@@ -39,5 +39,18 @@ test: setup
 plan: $(STAMP)
 	$(BIN)/grpoflow plan configs/seed-70b.yaml --out docs/design-70b
 
+# JupyterLab (the [notebook] extra, installed once) on notebooks/, bound to 127.0.0.1. As root (containers)
+# it needs --allow-root, which jupyter otherwise refuses to start without.
+NOTEBOOK_PORT ?= 8888
+.PHONY: notebook
+$(VENV)/.notebook: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[notebook]'
+	touch $@
+
+notebook: $(VENV)/.notebook
+	@echo "JupyterLab on notebooks/: open the http://127.0.0.1:$(NOTEBOOK_PORT)/lab?token=... URL printed below"
+	$(BIN)/jupyter lab --no-browser --ServerApp.ip=127.0.0.1 --ServerApp.port=$(NOTEBOOK_PORT) \
+		--ServerApp.root_dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
+
 clean:
 	rm -rf runs .pytest_cache

@@ -239,6 +239,8 @@ def iteration_runs(tracking_uri: str, parent_run_id: str):
     mlflow.set_tracking_uri(tracking_uri)
     runs = mlflow.search_runs(search_all_experiments=True,
                               filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'")
+    if "tags.grpoflow.step" not in runs.columns:  # no child run yet: an empty frame, not a KeyError
+        runs["tags.grpoflow.step"] = []
     return runs.sort_values("tags.grpoflow.step", key=lambda s: s.astype(int)).reset_index(drop=True)
 
 

@@ -43,10 +43,10 @@ def counter_uniforms(seed: int, prompt: np.ndarray, sample: np.ndarray, token: n
 
 
 def truncated_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """logits [N, V] -> log-probs [N, V] of the distribution sampled from (-inf off the kept set)."""
+    """logits [..., V] -> log-probs [..., V] of the distribution sampled from (-inf off the kept set)."""
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     if 0 < top_k < logp.shape[-1]:
-        kth = logp.topk(top_k, dim=-1).values[:, -1:]
+        kth = logp.topk(top_k, dim=-1).values[..., -1:]
         logp = torch.log_softmax(logp.masked_fill(logp < kth, float("-inf")), dim=-1)
     if top_p < 1.0:
         sorted_logp, order = logp.sort(dim=-1, descending=True)

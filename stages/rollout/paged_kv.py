@@ -49,6 +49,9 @@ class PagedKVCache:
         self.blocks_allocated = 0  # cumulative over the cache's life
         self.peak_blocks = 0
         self._step: tuple = ()
+        # Gather buffers reused by every layer and step: a fresh multi-MB tensor per call would be
+        # mmap-ed and page-faulted each time, costing as much as the copy itself.
+        self._gather_k = self._gather_v = torch.empty(0, dtype=dtype, device=device)
 
     # -- accounting -------------------------------------------------------------------------
     @property
@@ -134,12 +137,15 @@ class PagedKVCache:
         """``positions`` [B, T]: logical indices of the T tokens each sequence feeds (slots reserved)."""
         P = self.page_size
         nb = max(len(self.tables[s]) for s in seqs)
-        table = torch.tensor([self.tables[s] + [0] * (nb - len(self.tables[s])) for s in seqs])
-        read = (table[:, :, None] * P + torch.arange(P)).reshape(len(seqs), nb * P)  # (B, S)
-        write = read.gather(1, positions).reshape(-1)  # (B*T,)
-        # Slot j of the gathered row is logical token j: causal within the new tokens too.
+        table = torch.tensor([self.tables[s] + [0] * (nb - len(self.tables[s])) for s in seqs])  # (B, nb)
+        write = (table.gather(1, positions // P) * P + positions % P).reshape(-1)  # (B*T,)
+        # Gathered row slot j is logical token j: causal within the new tokens too.
         mask = torch.arange(nb * P)[None, None, :] <= positions[:, :, None]  # (B, T, S)
-        self._step = ("decode", read, write, mask)
+        if self._gather_k.shape[0] < table.numel():
+            shape = (table.numel(), self.k[0].view(self.num_blocks, -1).shape[1])
+            self._gather_k = torch.empty(shape, dtype=self.k.dtype, device=self.k.device)
+            self._gather_v = torch.empty(shape, dtype=self.k.dtype, device=self.k.device)
+        self._step = ("decode", table.reshape(-1), write, mask)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self._step[0] == "prefill":
@@ -158,14 +164,17 @@ class PagedKVCache:
 
     def _attend_decode(self, layer, q, k, v):
         # q: (B, h, T, d); k, v: (B, kvh, T, d) for the T newest tokens of every sequence.
-        _, read, write, mask = self._step
+        _, blocks, write, mask = self._step
         B, h, T, d = q.shape
-        kvh = k.shape[1]
+        kvh, S = k.shape[1], mask.shape[-1]
         rep = h // kvh
         self.k[layer].index_copy_(0, write, k.transpose(1, 2).reshape(B * T, kvh, d))
         self.v[layer].index_copy_(0, write, v.transpose(1, 2).reshape(B * T, kvh, d))
-        keys = self.k[layer][read].transpose(1, 2)  # (B, kvh, S, d)
-        values = self.v[layer][read].transpose(1, 2)
+        # Whole blocks are contiguous in the pool: gathering them is B * nb memcpys, not B * S.
+        n = blocks.numel()
+        keys = torch.index_select(self.k[layer].view(self.num_blocks, -1), 0, blocks, out=self._gather_k[:n])
+        values = torch.index_select(self.v[layer].view(self.num_blocks, -1), 0, blocks, out=self._gather_v[:n])
+        keys, values = keys.view(B, S, kvh, d).transpose(1, 2), values.view(B, S, kvh, d).transpose(1, 2)
         # Grouped-query attention without repeating K/V: the rep query heads sharing a KV head
         # become rep*T query rows of that head.
         qg = q.reshape(B, kvh, rep * T, d)  # rows ordered (rep, T)

@@ -17,7 +17,7 @@ non-embedding parameter per token plus attention's 4 * L * q_dim * context, Kapl
 Sec. 2.1) is compared with a plain matmul of the decode shapes ([128, 512] x each weight matrix).
 Speculative decoding (k = 2, 4; draft = first 2 layers + head) is timed on ``skewed``.
 
-    .venv/bin/python benchmarks/rollout.py [--threads 1] [--reps 2]
+    .venv/bin/python benchmarks/rollout.py [--threads 1] [--reps 1] [--only skewed|fixed|speculative] [--no-hf]
 """
 
 from __future__ import annotations
@@ -174,70 +174,90 @@ def model_flops(model, prompts, lengths: np.ndarray) -> float:
 
 
 def matmul_flops_per_s(model, batch: int, reps: int = 20) -> float:
-    """GFLOP/s of F.linear over [batch, in] x every decode weight, back to back."""
+    """FLOP per CPU-second of F.linear over [batch, in] x every decode weight, back to back (best of reps)."""
     ws = _weights(model)
     xs = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in ws}
     best = float("inf")
     for _ in range(reps):
-        t = time.perf_counter()
+        t = time.process_time()
         for w in ws:
             F.linear(xs[w.shape[1]], w)
-        best = min(best, time.perf_counter() - t)
+        best = min(best, time.process_time() - t)
     return 2 * batch * sum(w.numel() for w in ws) / best
 
 
 def _timed(fn):
-    t = time.perf_counter()
+    """(wall seconds, CPU seconds of this process, result): CPU time is what the run itself used on a
+    shared machine, wall time also counts waiting for a core."""
+    wall, cpu = time.perf_counter(), time.process_time()
     out = fn()
-    return time.perf_counter() - t, out
+    return time.perf_counter() - wall, time.process_time() - cpu, out
+
+
+def _compare(model, hf, prompts, name: str, stop: tuple[int, ...], reps: int) -> None:
+    params = SamplingParams(_G, _MAX_NEW, 1.0, 1.0, stop, 0)
+    best: dict[str, tuple[float, float, np.ndarray]] = {}
+    for rep in range(reps):
+        runs = {
+            "paged": lambda: generate(model, prompts, params, torch.Generator().manual_seed(rep)).length,
+            "static": lambda: static_generate(model, prompts, params, torch.Generator().manual_seed(rep)),
+        }
+        if hf is not None:
+            runs["hf"] = lambda: hf_generate(hf, prompts, params, rep)
+        for key, fn in runs.items():
+            wall, cpu, lengths = _timed(fn)
+            if key not in best or cpu < best[key][1]:
+                best[key] = (wall, cpu, lengths)
+    lengths = best["paged"][2]
+    print(f"\n[{name}] completion length mean {lengths.mean():.1f}, p50 {np.median(lengths):.0f}, "
+          f"max {lengths.max()}, at cap {np.mean(lengths == _MAX_NEW):.0%}")
+    base = lengths.sum() / best["paged"][1]
+    for key, (wall, cpu, n) in best.items():
+        print(f"  {key:7s} wall {wall:6.2f} s  cpu {cpu:6.2f} s  {n.sum() / cpu:6.0f} tok/cpu-s  "
+              f"{n.sum() / wall:6.0f} tok/s  paged / {key} = {base / (n.sum() / cpu):.2f}x (cpu)")
+    if name == "fixed":
+        mm = matmul_flops_per_s(model, _PROMPTS * _G)
+        fl = model_flops(model, prompts, lengths)
+        print(f"  matmul [128, *] x weights: {mm / 1e9:.1f} GFLOP/s (cpu); paged engine model FLOP/s: "
+              f"{fl / best['paged'][1] / 1e9:.1f} GFLOP/s per cpu-s = {fl / best['paged'][1] / mm:.0%} of matmul "
+              f"({fl / best['paged'][0] / 1e9:.1f} GFLOP/s wall)")
+
+
+def _speculative(model, prompts, rows: int) -> None:
+    """Plain vs speculative (k = 2, 4) on ``rows`` sequences of fixed length (no stop token)."""
+    G = min(_G, rows)
+    prompts = prompts[: max(1, rows // G)]
+    params = SamplingParams(G, _MAX_NEW, 1.0, 1.0, (), 0)
+    draft = draft_from_target(model, 2)
+    _, plain, _ = _timed(lambda: generate(model, prompts, params, torch.Generator().manual_seed(0)))
+    print(f"\n[speculative, {len(prompts) * G} rows x {_MAX_NEW} tokens, draft = 2 of 8 layers] plain cpu {plain:.2f} s")
+    for k in (2, 4):
+        _, cpu, (_, st) = _timed(lambda: generate_speculative(model, draft, prompts, params,
+                                                              torch.Generator().manual_seed(0), k))
+        a = st.acceptance
+        print(f"  k={k}: cpu {cpu:.2f} s, acceptance {a:.2f}, tokens per target forward {st.tokens_per_verify:.2f} "
+              f"(Leviathan Eq. 1: {(1 - a ** (k + 1)) / (1 - a):.2f}), speed-up {plain / cpu:.2f}x")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--only", choices=["skewed", "fixed", "speculative"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model, prompts = make_model(), make_prompts()
     hf = None if args.no_hf else hf_model(model)
     params_n = sum(p.numel() for p in model.parameters())
     print(f"model {params_n / 1e6:.1f}M params, {_PROMPTS} prompts x G {_G}, <= {_MAX_NEW} new, threads {args.threads}")
-    for name, stop in (("skewed", (_EOS,)), ("fixed", ())):
-        params = SamplingParams(_G, _MAX_NEW, 1.0, 1.0, stop, 0)
-        best: dict[str, tuple[float, int]] = {}
-        for rep in range(args.reps):
-            runs = {
-                "paged": lambda: generate(model, prompts, params, torch.Generator().manual_seed(rep)).length,
-                "static": lambda: static_generate(model, prompts, params, torch.Generator().manual_seed(rep)),
-            }
-            if hf is not None:
-                runs["hf"] = lambda: hf_generate(hf, prompts, params, rep)
-            for key, fn in runs.items():
-                s, lengths = _timed(fn)
-                if key not in best or s < best[key][0]:
-                    best[key] = (s, int(np.sum(lengths)), lengths)
-        lengths = best["paged"][2]
-        print(f"\n[{name}] completion length mean {lengths.mean():.1f}, p50 {np.median(lengths):.0f}, "
-              f"max {lengths.max()}, at cap {np.mean(lengths == _MAX_NEW):.0%}")
-        base = best["paged"][1] / best["paged"][0]
-        for key, (s, tokens, _) in best.items():
-            print(f"  {key:7s} {s:7.2f} s  {tokens / s:8.0f} tok/s  paged / {key} = {base / (tokens / s):.2f}x")
-        if name == "fixed":
-            mm = matmul_flops_per_s(model, _PROMPTS * _G)
-            fl = model_flops(model, prompts, lengths) / best["paged"][0]
-            print(f"  matmul [128, *] x weights: {mm / 1e9:.1f} GFLOP/s; paged engine model FLOP/s: "
-                  f"{fl / 1e9:.1f} GFLOP/s = {fl / mm:.0%} of matmul")
-    params = SamplingParams(_G, _MAX_NEW, 1.0, 1.0, (_EOS,), 0)
-    draft = draft_from_target(model, 2)
-    s_plain, _ = _timed(lambda: generate(model, prompts, params, torch.Generator().manual_seed(0)))
-    print(f"\n[speculative, skewed, draft = 2 of 8 layers] plain {s_plain:.2f} s")
-    for k in (2, 4):
-        s, (batch, stats) = _timed(lambda: generate_speculative(model, draft, prompts, params,
-                                                                torch.Generator().manual_seed(0), k))
-        print(f"  k={k}: {s:.2f} s, acceptance {stats.acceptance:.2f}, "
-              f"tokens / target forward {batch.length.sum() / max(stats.steps, 1) / len(batch.length):.2f} "
-              f"(per live row, approx), speed-up {s_plain / s:.2f}x")
+    if args.only in (None, "skewed"):
+        _compare(model, hf, prompts, "skewed", (_EOS,), args.reps)
+    if args.only in (None, "fixed"):
+        _compare(model, hf, prompts, "fixed", (), args.reps)
+    if args.only in (None, "speculative"):
+        _speculative(model, prompts, 4)
+        _speculative(model, prompts, _PROMPTS * _G)
 
 
 if __name__ == "__main__":

@@ -121,7 +121,7 @@ class Rollout:
         self.logp = np.zeros((P * G, N), dtype=np.float32)
         self.length = np.zeros(P * G, dtype=np.int64)
         self.stopped = np.zeros(P * G, dtype=bool)
-        self._stop = np.array(params.stop_ids, dtype=np.int64)
+        self._stop = frozenset(params.stop_ids)
 
     def uniforms(self, rows: np.ndarray, stream: int = 0, offset: np.ndarray | int = 0) -> torch.Tensor:
         """Uniforms for the next token (+ offset) of each row."""
@@ -133,7 +133,7 @@ class Rollout:
         n = self.length[row]
         self.tokens[row, n], self.logp[row, n] = token, logp
         self.length[row] = n + 1
-        self.stopped[row] = bool(np.isin(token, self._stop))
+        self.stopped[row] = token in self._stop
         return self.stopped[row] or n + 1 == self.params.max_new_tokens
 
     def position(self, row: int) -> int:

@@ -56,12 +56,24 @@ class SpeculativeStats:
 
     def __init__(self) -> None:
         self.drafted = 0
+        self.evaluated = 0
+        """draft tokens the accept test ran on: the accepted ones and the first rejected one"""
         self.accepted = 0
         self.steps = 0
+        self.row_steps = 0
+        """sum over verification forwards of the rows they verified"""
+        self.emitted = 0
+        """tokens recorded by verification steps (the prefill's first tokens excluded)"""
 
     @property
     def acceptance(self) -> float:
-        return self.accepted / max(self.drafted, 1)
+        """Per-token acceptance rate alpha = E[min(1, p / q)] (Leviathan et al. 2023, Def. 3.1)."""
+        return self.accepted / max(self.evaluated, 1)
+
+    @property
+    def tokens_per_verify(self) -> float:
+        """Tokens a row gains per target forward; Leviathan et al. 2023 Eq. 1 predicts (1 - a^(k+1)) / (1 - a)."""
+        return self.emitted / max(self.row_steps, 1)
 
 
 class _SpeculativeRunner:
@@ -130,15 +142,18 @@ class _SpeculativeRunner:
         resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p_at)
         extra = sample_from(resid.log(), state.uniforms(r, _RESIDUAL, offset=accepted.numpy()))
         self.stats.steps += 1
+        self.stats.row_steps += len(rows)
         live = []
         for b, row in enumerate(rows):
             m = int(accepted[b])
             self.stats.drafted += k
             self.stats.accepted += m
+            self.stats.evaluated += min(m + 1, k)
             out = drafts[b, :m].tolist() + [int(extra[b])]
             done = False
             for j, t in enumerate(out):
                 done = state.record(row, t, float(p[b, j, t]))
+                self.stats.emitted += 1
                 if done:
                     break
             if not done:

@@ -158,11 +158,18 @@ class Runner(Protocol):
 
 def new_cache(model: DecoderStage, prompts: list[list[int]], params: SamplingParams, engine: EngineConfig,
               lookahead: int = 0) -> PagedKVCache:
-    """A pool big enough for the largest groups that can be live at once (admission never waits on blocks)."""
+    """A pool that never runs out, so admission waits only on ``max_num_seqs``.
+
+    Live rows hold at most their own worst case each (max_num_seqs of them), and every group with a
+    live row holds its shared prompt blocks (at most min(P, max_num_seqs) groups): the bound is the
+    sum of the largest of each, capped by the whole rollout's worst case.
+    """
     cfg, G, page = model.cfg, params.group_size, engine.page_size
-    per_group = sorted((len(p) // page + G * -(-(len(p) % page + params.max_new_tokens + lookahead) // page)
-                        for p in prompts), reverse=True)
-    blocks = sum(per_group[: max(1, engine.max_num_seqs // G)])
+    shared = sorted((len(p) // page for p in prompts), reverse=True)
+    own = sorted((-(-(len(p) % page + params.max_new_tokens + lookahead) // page) for p in prompts), reverse=True)
+    own_rows = [b for b in own for _ in range(G)]
+    n = engine.max_num_seqs
+    blocks = min(sum(shared[:n]) + sum(own_rows[:n]), sum(shared) + sum(own_rows))
     return PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, page, blocks,
                         len(prompts) * G, dtype=next(model.parameters()).dtype)
 

@@ -232,3 +232,15 @@ def test_group_samples_share_their_prompt_rows():
 def test_generate_refuses_a_pipeline_stage():
     with pytest.raises(ValueError, match="whole model"):
         run(build_stage(make_cfg(), 0, 2), make_prompts(), make_params())
+
+
+def test_pool_holds_groups_left_with_one_live_row():
+    """Rows of several groups outlive their siblings: every such group keeps its shared prompt blocks."""
+    model, prompts = make_model(seed=7), make_prompts(lengths=(40, 37, 41, 38, 40), seed=7)
+    params = make_params(group_size=4, max_new_tokens=12, temperature=1.5, stop_ids=(2, 3, 9))
+    batch = run(model, prompts, params, seed=2, engine=EngineConfig(page_size=4, max_num_seqs=5))
+    page_bytes = batch.kv_allocated_bytes // sum(  # blocks allocated, by the formula the planner uses
+        n // 4 + sum(-(-(n % 4 + int(m) - 1) // 4) for m in batch.length[g * 4:(g + 1) * 4])
+        for g, n in enumerate(len(p) for p in prompts))
+    one_group = max(n // 4 + 4 * -(-(n % 4 + 12) // 4) for n in map(len, prompts)) * page_bytes  # at full length
+    assert batch.kv_cache_bytes > one_group, "the seed should keep two groups' prompt blocks live at once"

@@ -32,7 +32,7 @@ from stages.rollout.paged_kv import PagedKVCache
 from stages.rollout.sampling import counter_uniforms, sample_from, truncated_logprobs
 
 __all__ = ["SamplingParams", "EngineConfig", "RolloutBatch", "FINISH_STOP", "FINISH_LENGTH", "generate",
-           "Rollout", "new_cache", "run_engine"]
+           "Rollout", "Runner", "assemble", "check_inputs", "draw_seed", "new_cache", "prefill_logits", "run_engine"]
 
 FINISH_STOP, FINISH_LENGTH = 0, 1
 _SEED_RANGE = 2 ** 62  # the seed drawn from the caller's generator
@@ -273,6 +273,11 @@ def assemble(state: Rollout, cache: PagedKVCache, seconds: float, steps: int) ->
     )
 
 
+def draw_seed(generator: torch.Generator) -> int:
+    """The one draw from the caller's generator; every uniform of the call derives from it."""
+    return int(torch.randint(0, _SEED_RANGE, (1,), generator=generator))
+
+
 def check_inputs(model: DecoderStage, prompts: list[list[int]], params: SamplingParams, engine: EngineConfig) -> None:
     if not (model.is_first and model.is_last):
         raise ValueError("generate needs the whole model (one stage holding every layer)")
@@ -290,7 +295,7 @@ def generate(model: DecoderStage, prompts: list[list[int]], params: SamplingPara
     engine = engine or EngineConfig()
     check_inputs(model, prompts, params, engine)
     start = time.perf_counter()
-    seed = int(torch.randint(0, _SEED_RANGE, (1,), generator=generator))
+    seed = draw_seed(generator)
     state = Rollout(prompts, params, seed)
     cache = new_cache(model, prompts, params, engine)
     steps = run_engine(_PlainRunner(model, cache), state, engine.max_num_seqs)

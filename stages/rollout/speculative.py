@@ -17,6 +17,7 @@ accepting and the residual / bonus draw, so results do not depend on batching.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,6 +30,7 @@ from stages.rollout.engine import (
     SamplingParams,
     assemble,
     check_inputs,
+    draw_seed,
     new_cache,
     prefill_logits,
     run_engine,
@@ -39,7 +41,6 @@ from stages.rollout.sampling import sample_from, truncated_logprobs
 __all__ = ["draft_from_target", "generate_speculative", "SpeculativeStats"]
 
 _DRAFT, _ACCEPT, _RESIDUAL = 1, 2, 3  # uniform streams
-_SEED_RANGE = 2 ** 62
 
 
 def draft_from_target(target: DecoderStage, num_layers: int) -> DecoderStage:
@@ -51,19 +52,20 @@ def draft_from_target(target: DecoderStage, num_layers: int) -> DecoderStage:
     return draft.eval()
 
 
+@dataclass
 class SpeculativeStats:
     """Drafted and accepted token counts of one call."""
 
-    def __init__(self) -> None:
-        self.drafted = 0
-        self.evaluated = 0
-        """draft tokens the accept test ran on: the accepted ones and the first rejected one"""
-        self.accepted = 0
-        self.steps = 0
-        self.row_steps = 0
-        """sum over verification forwards of the rows they verified"""
-        self.emitted = 0
-        """tokens recorded by verification steps (the prefill's first tokens excluded)"""
+    drafted: int = 0
+    evaluated: int = 0
+    """draft tokens the accept test ran on: the accepted ones and the first rejected one"""
+    accepted: int = 0
+    steps: int = 0
+    """verification forwards"""
+    row_steps: int = 0
+    """sum over verification forwards of the rows they verified"""
+    emitted: int = 0
+    """tokens recorded by verification steps (the prefill's first tokens excluded)"""
 
     @property
     def acceptance(self) -> float:
@@ -189,7 +191,7 @@ def generate_speculative(target: DecoderStage, draft: DecoderStage, prompts: lis
     if draft.cfg.vocab_size != target.cfg.vocab_size:
         raise ValueError(f"draft vocab_size={draft.cfg.vocab_size} differs from the target's {target.cfg.vocab_size}")
     start = time.perf_counter()
-    seed = int(torch.randint(0, _SEED_RANGE, (1,), generator=generator))
+    seed = draw_seed(generator)
     state = Rollout(prompts, params, seed)
     cache = new_cache(target, prompts, params, engine, lookahead=num_draft_tokens + 1)
     draft_cache = new_cache(draft, prompts, params, engine, lookahead=num_draft_tokens + 1)

@@ -11,17 +11,25 @@ Speculative decoding: with draft length gamma and acceptance alpha a verificatio
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.config import PlanConfig
 from planner.constants import BF16_BYTES, FP32_BYTES
 from planner.memory import estimate_kv_cache_bytes, estimate_kv_cache_bytes_per_gpu
-from planner.model import estimate_forward_flops_per_token, estimate_parameter_count
+from planner.model import (
+    ModelShape,
+    estimate_forward_flops_per_token,
+    estimate_kv_bytes_per_token,
+    estimate_parameter_count,
+)
 
 __all__ = [
     "RolloutEstimate",
     "WeightSyncEstimate",
     "estimate_decode_step_s",
+    "estimate_paged_kv_blocks",
+    "estimate_paged_kv_bytes",
     "estimate_rollout",
     "estimate_weight_sync",
     "speculative_tokens_per_step",
@@ -83,6 +91,32 @@ class WeightSyncEstimate:
     @property
     def total_s(self) -> float:
         return self.transfer_s + self.kv_s
+
+
+def estimate_paged_kv_blocks(prompt_lens: Sequence[int], completion_lens: Sequence[Sequence[int]],
+                             page_size: int) -> int:
+    """KV blocks the paged rollout engine allocates for groups with these prompt and completion lengths.
+
+    Per group with prompt length p and completions of n_s tokens (the stop token included):
+    ``p // page`` full prompt blocks shared by the G samples, plus per sample
+    ``ceil((p % page + n_s - 1) / page)`` blocks: its copy of the partial prompt block and the KV of every
+    generated token but the last, which is sampled and never fed back (stages/rollout/paged_kv.py).
+    This counts every allocation over the rollout, i.e. the footprint were all groups live at once.
+    """
+    if len(prompt_lens) != len(completion_lens):
+        raise ValueError(f"{len(prompt_lens)} prompt lengths but {len(completion_lens)} groups of completion lengths")
+    blocks = 0
+    for p, group in zip(prompt_lens, completion_lens):
+        full, partial = divmod(p, page_size)
+        blocks += full + sum(-(-(partial + n - 1) // page_size) for n in group)
+    return blocks
+
+
+def estimate_paged_kv_bytes(model: ModelShape, prompt_lens: Sequence[int], completion_lens: Sequence[Sequence[int]],
+                            page_size: int, dtype_bytes: int = BF16_BYTES) -> int:
+    """Blocks x block bytes; a block holds K and V of ``page_size`` tokens in every layer."""
+    block_bytes = page_size * estimate_kv_bytes_per_token(model, dtype_bytes)
+    return estimate_paged_kv_blocks(prompt_lens, completion_lens, page_size) * block_bytes
 
 
 def speculative_tokens_per_step(draft_tokens: int, acceptance: float) -> float:

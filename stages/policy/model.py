@@ -97,7 +97,7 @@ class DecoderConfig(ModelShape):
 
 
 class AttentionCache(Protocol):
-    """Where keys and values go during generation (see stages/rollout/kv_cache.py)."""
+    """Where keys and values go during generation (see stages/rollout/paged_kv.py)."""
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [B, heads, T, d]; k, v: [B, kv_heads, T, d] (rotated) -> [B, heads, T, d]."""

@@ -1,34 +1,89 @@
-"""The torch generation engine: batched sampling with a prefix-shared KV cache.
+"""The torch generation engine: continuous batching over a paged, prefix-shared KV cache.
 
-Each prompt is prefilled once; its G samples decode together, reading the shared prefix KV.
-Sampling log-probs are taken from the temperature-scaled distribution before top-p truncation,
-the same distribution the training loss evaluates (``logits / temperature``).
+Scheduling. Prompts wait in order; a group (one prompt, its G samples) is admitted whole when the
+live sequences plus G fit in ``EngineConfig.max_num_seqs``. Admitted prompts are prefilled together
+in one forward; their full prompt blocks are shared by the G samples (stages/rollout/paged_kv.py).
+Each decode step feeds only the live sequences; a finished sequence frees its blocks at once and
+its slot is refilled by the next waiting group, so no step pays for finished rows.
+
+Log-probs. ``behav_logp`` is the log-prob of each token under the distribution it was sampled
+from: softmax(logits / T) truncated to top-k and top-p and renormalised (stages/rollout/sampling.py).
+Without truncation (top_k = 0, top_p = 1) that is log softmax(logits / T), what the training loss
+evaluates; with truncation the loss's untruncated log-prob is lower by the log of the kept mass.
+
+Randomness. One seed is drawn from the caller's generator; every token's uniform is a hash of
+(seed, prompt index, sample index, token index), so a sample does not depend on batching.
+
+Threads. The engine runs on the threads torch is given (``torch.set_num_threads``, decided by the
+caller); it starts none of its own.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from stages.policy.model import DecoderStage
-from stages.rollout.kv_cache import PrefixSharedKVCache
+from stages.rollout.paged_kv import PagedKVCache
+from stages.rollout.sampling import counter_uniforms, sample_from, truncated_logprobs
 
-__all__ = ["SamplingParams", "RolloutBatch", "FINISH_STOP", "FINISH_LENGTH", "generate"]
+__all__ = ["SamplingParams", "EngineConfig", "RolloutBatch", "FINISH_STOP", "FINISH_LENGTH", "generate",
+           "Rollout", "Runner", "assemble", "check_inputs", "draw_seed", "new_cache", "prefill_logits", "run_engine"]
 
 FINISH_STOP, FINISH_LENGTH = 0, 1
+_SEED_RANGE = 2 ** 62  # the seed drawn from the caller's generator
 
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How completions are sampled."""
+
     group_size: int
+    """completions per prompt (G)"""
     max_new_tokens: int
+    """generated tokens per completion at most, the stop token included"""
     temperature: float = 1.0
+    """logits are divided by it before the softmax"""
     top_p: float = 1.0
+    """nucleus mass kept (1 keeps every token)"""
     stop_ids: tuple[int, ...] = ()
+    """tokens that end a completion (kept as its last token)"""
     pad_id: int = 0
+    """fills tokens after a completion's end"""
+    top_k: int = 0
+    """most likely tokens kept before top-p (0 keeps every token)"""
+
+    def __post_init__(self) -> None:
+        if self.group_size < 1:
+            raise ValueError(f"group_size={self.group_size} must be >= 1")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature={self.temperature} must be > 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables it)")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Memory layout and batch limits of the engine."""
+
+    page_size: int = 16
+    """tokens per KV block"""
+    max_num_seqs: int = 256
+    """live sequences one decode step holds at most; must be >= group_size (groups are admitted whole)"""
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size={self.page_size} must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
 
 
 @dataclass
@@ -42,77 +97,206 @@ class RolloutBatch:
     behav_logp: np.ndarray  # [P*G, max_new_tokens] float32, 0 after length
     finish_reason: np.ndarray  # [P*G] int8, FINISH_STOP or FINISH_LENGTH
     kv_cache_bytes: int
+    """peak bytes of KV blocks in use"""
     seconds: float
+    kv_allocated_bytes: int = 0
+    """bytes of every KV block allocated over the call (blocks freed and reused count again)"""
+    kv_pool_bytes: int = 0
+    """bytes of the block pool reserved up front"""
+    decode_steps: int = 0
+    """model forwards after prefill"""
 
     @property
     def tokens_per_s(self) -> float:
         return float(self.length.sum()) / max(self.seconds, 1e-9)
 
 
-def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator):
-    """logits: [N, V] -> (token [N], its log-prob under softmax(logits / T) [N])."""
-    logp = torch.log_softmax(logits.float() / params.temperature, dim=-1)
-    probs = logp.exp()
-    if params.top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        keep = sorted_p.cumsum(-1) - sorted_p < params.top_p  # always keeps the top token
-        sorted_p = sorted_p * keep
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    return token, logp.gather(-1, token[:, None]).squeeze(-1)
+class Rollout:
+    """Per-sequence state of one call: sequence ``row = prompt * G + sample``."""
+
+    def __init__(self, prompts: list[list[int]], params: SamplingParams, seed: int):
+        self.prompts, self.params, self.seed = prompts, params, seed
+        P, G, N = len(prompts), params.group_size, params.max_new_tokens
+        self.tokens = np.full((P * G, N), params.pad_id, dtype=np.int64)
+        self.logp = np.zeros((P * G, N), dtype=np.float32)
+        self.length = np.zeros(P * G, dtype=np.int64)
+        self.stopped = np.zeros(P * G, dtype=bool)
+        self._stop = frozenset(params.stop_ids)
+
+    def uniforms(self, rows: np.ndarray, stream: int = 0, offset: np.ndarray | int = 0) -> torch.Tensor:
+        """Uniforms for the next token (+ offset) of each row."""
+        G = self.params.group_size
+        return counter_uniforms(self.seed, rows // G, rows % G, self.length[rows] + offset, stream)
+
+    def record(self, row: int, token: int, logp: float) -> bool:
+        """Append one sampled token; True when the row is finished."""
+        n = self.length[row]
+        self.tokens[row, n], self.logp[row, n] = token, logp
+        self.length[row] = n + 1
+        self.stopped[row] = token in self._stop
+        return self.stopped[row] or n + 1 == self.params.max_new_tokens
+
+    def position(self, row: int) -> int:
+        """Logical index of the row's newest token (prompt tokens first)."""
+        return len(self.prompts[row // self.params.group_size]) + int(self.length[row]) - 1
+
+
+class Runner(Protocol):
+    """What the scheduler drives: prefill admitted groups, then decode the live rows."""
+
+    def prefill(self, state: Rollout, groups: list[int]) -> list[int]:
+        """Prefill ``groups``, sample each sample's first token; return the rows still live."""
+        ...
+
+    def step(self, state: Rollout, rows: list[int]) -> list[int]:
+        """Add at least one token to every row; return the rows still live."""
+        ...
+
+    def release(self, row: int) -> None:
+        ...
+
+
+def new_cache(model: DecoderStage, prompts: list[list[int]], params: SamplingParams, engine: EngineConfig,
+              lookahead: int = 0) -> PagedKVCache:
+    """A pool that never runs out, so admission waits only on ``max_num_seqs``.
+
+    Live rows hold at most their own worst case each (max_num_seqs of them), and every group with a
+    live row holds its shared prompt blocks (at most min(P, max_num_seqs) groups): the bound is the
+    sum of the largest of each, capped by the whole rollout's worst case.
+    """
+    cfg, G, page = model.cfg, params.group_size, engine.page_size
+    shared = sorted((len(p) // page for p in prompts), reverse=True)
+    own = sorted((-(-(len(p) % page + params.max_new_tokens + lookahead) // page) for p in prompts), reverse=True)
+    own_rows = [b for b in own for _ in range(G)]
+    n = engine.max_num_seqs
+    blocks = min(sum(shared[:n]) + sum(own_rows[:n]), sum(shared) + sum(own_rows))
+    return PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, page, blocks,
+                        len(prompts) * G, dtype=next(model.parameters()).dtype)
+
+
+def prefill_logits(model: DecoderStage, cache: PagedKVCache, prompts: list[list[int]], groups: list[int],
+                   G: int) -> torch.Tensor:
+    """One forward over the admitted prompts (right-padded); returns last-position logits [len(groups), V]."""
+    lens = [len(prompts[g]) for g in groups]
+    L = max(lens)
+    ids = torch.zeros((len(groups), L), dtype=torch.long)
+    valid = torch.zeros((len(groups), L), dtype=torch.bool)
+    src, dst = [], []
+    for a, g in enumerate(groups):
+        ids[a, : lens[a]] = torch.tensor(prompts[g])
+        valid[a, : lens[a]] = True
+        s, d = cache.add_group(list(range(g * G, g * G + G)), lens[a])
+        src += [a * L + t for t in s]
+        dst += d
+    cache.prepare_prefill(torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long), valid)
+    positions = torch.arange(L).expand(len(groups), L)
+    logits = model(ids, positions, cache)
+    return logits[torch.arange(len(groups)), torch.tensor(lens) - 1]
+
+
+class _PlainRunner:
+    def __init__(self, model: DecoderStage, cache: PagedKVCache):
+        self.model, self.cache = model, cache
+
+    def _sample(self, state: Rollout, rows: list[int], logits: torch.Tensor) -> list[int]:
+        p = state.params
+        r = np.asarray(rows)
+        logp = truncated_logprobs(logits, p.temperature, p.top_k, p.top_p)
+        token = sample_from(logp, state.uniforms(r))
+        tok_logp = logp.gather(-1, token[:, None]).squeeze(-1)
+        live = []
+        for row, t, lp in zip(rows, token.tolist(), tok_logp.tolist()):
+            if not state.record(row, t, lp):
+                self.cache.append(row)
+                live.append(row)
+        return live
+
+    def prefill(self, state: Rollout, groups: list[int]) -> list[int]:
+        G = state.params.group_size
+        logits = prefill_logits(self.model, self.cache, state.prompts, groups, G)
+        rows = [g * G + s for g in groups for s in range(G)]
+        return self._sample(state, rows, logits.repeat_interleave(G, dim=0))
+
+    def step(self, state: Rollout, rows: list[int]) -> list[int]:
+        ids = torch.tensor([int(state.tokens[r, state.length[r] - 1]) for r in rows])[:, None]
+        positions = torch.tensor([state.position(r) for r in rows])[:, None]
+        self.cache.prepare_decode(rows, positions)
+        logits = self.model(ids, positions, self.cache)[:, -1]
+        return self._sample(state, rows, logits)
+
+    def release(self, row: int) -> None:
+        self.cache.free(row)
+
+
+def run_engine(runner: Runner, state: Rollout, max_num_seqs: int) -> int:
+    """Continuous batching until every group is done; returns the number of decode steps."""
+    G, P = state.params.group_size, len(state.prompts)
+    next_group, live, steps = 0, [], 0
+    while next_group < P or live:
+        admit = []
+        while next_group < P and len(live) + G * (len(admit) + 1) <= max_num_seqs:
+            admit.append(next_group)
+            next_group += 1
+        if admit:
+            started = runner.prefill(state, admit)
+            admitted = {g * G + s for g in admit for s in range(G)}
+            for row in sorted(admitted.difference(started)):
+                runner.release(row)
+            live += started
+        if live:
+            still = runner.step(state, live)
+            for row in sorted(set(live).difference(still)):
+                runner.release(row)
+            live, steps = still, steps + 1
+    return steps
+
+
+def assemble(state: Rollout, cache: PagedKVCache, seconds: float, steps: int) -> RolloutBatch:
+    prompts, params = state.prompts, state.params
+    G = params.group_size
+    width = max(len(p) for p in prompts)
+    prompt_ids = np.full((len(prompts), width), params.pad_id, dtype=np.int32)
+    for i, p in enumerate(prompts):
+        prompt_ids[i, : len(p)] = p
+    return RolloutBatch(
+        prompt_ids=np.repeat(prompt_ids, G, axis=0),
+        prompt_len=np.repeat(np.array([len(p) for p in prompts], dtype=np.int32), G),
+        tokens=state.tokens.astype(np.int32),
+        length=state.length.astype(np.int32),
+        behav_logp=state.logp,
+        finish_reason=np.where(state.stopped, FINISH_STOP, FINISH_LENGTH).astype(np.int8),
+        kv_cache_bytes=cache.peak_blocks * cache.block_bytes,
+        seconds=seconds,
+        kv_allocated_bytes=cache.blocks_allocated * cache.block_bytes,
+        kv_pool_bytes=cache.pool_bytes,
+        decode_steps=steps,
+    )
+
+
+def draw_seed(generator: torch.Generator) -> int:
+    """The one draw from the caller's generator; every uniform of the call derives from it."""
+    return int(torch.randint(0, _SEED_RANGE, (1,), generator=generator))
+
+
+def check_inputs(model: DecoderStage, prompts: list[list[int]], params: SamplingParams, engine: EngineConfig) -> None:
+    if not (model.is_first and model.is_last):
+        raise ValueError("generate needs the whole model (one stage holding every layer)")
+    if not prompts or min(len(p) for p in prompts) < 1:
+        raise ValueError("generate needs at least one prompt, each of at least one token")
+    if engine.max_num_seqs < params.group_size:
+        raise ValueError(f"max_num_seqs={engine.max_num_seqs} is below group_size={params.group_size}; "
+                         "raise max_num_seqs, a group is admitted whole")
 
 
 @torch.no_grad()
 def generate(model: DecoderStage, prompts: list[list[int]], params: SamplingParams,
-             generator: torch.Generator) -> RolloutBatch:
+             generator: torch.Generator, engine: EngineConfig | None = None) -> RolloutBatch:
     """Sample ``params.group_size`` completions for each tokenised prompt."""
-    if not (model.is_first and model.is_last):
-        raise ValueError("generate needs the whole model (one stage holding every layer)")
+    engine = engine or EngineConfig()
+    check_inputs(model, prompts, params, engine)
     start = time.perf_counter()
-    P, G, N = len(prompts), params.group_size, params.max_new_tokens
-    width = max(len(p) for p in prompts)
-    ids = torch.full((P, width), params.pad_id, dtype=torch.long)
-    mask = torch.zeros((P, width), dtype=torch.bool)
-    for i, p in enumerate(prompts):  # left padding, so every prompt ends at the same column
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = True
-    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    cfg = model.cfg
-    cache = PrefixSharedKVCache(cfg.num_hidden_layers, P, G, width, N, cfg.num_key_value_heads,
-                                cfg.head_dim, mask, dtype=next(model.parameters()).dtype)
-    logits = model(ids, positions, cache)[:, -1]  # (P, V)
-    cache.advance()
-    logits = logits.repeat_interleave(G, dim=0)  # (P*G, V): the G samples share the prefill
-    next_pos = positions[:, -1].repeat_interleave(G) + 1  # (P*G,)
-
-    tokens = torch.full((P * G, N), params.pad_id, dtype=torch.long)
-    logps = torch.zeros((P * G, N), dtype=torch.float32)
-    done = torch.zeros(P * G, dtype=torch.bool)
-    length = torch.zeros(P * G, dtype=torch.long)
-    stop = torch.tensor(params.stop_ids, dtype=torch.long)
-    for n in range(N):
-        tok, lp = _sample(logits, params, generator)
-        tok = torch.where(done, params.pad_id, tok)
-        tokens[:, n] = tok
-        logps[:, n] = torch.where(done, 0.0, lp)
-        length += (~done).long()
-        done = done | torch.isin(tok, stop)
-        if bool(done.all()) or n == N - 1:
-            break
-        logits = model(tok[:, None], (next_pos + n)[:, None], cache)[:, -1]
-        cache.advance()
-
-    prompt_ids = torch.full((P, width), params.pad_id, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        prompt_ids[i, : len(p)] = torch.tensor(p)
-    prompt_len = torch.tensor([len(p) for p in prompts]).repeat_interleave(G)
-    return RolloutBatch(
-        prompt_ids=prompt_ids.repeat_interleave(G, dim=0).numpy().astype(np.int32),
-        prompt_len=prompt_len.numpy().astype(np.int32),
-        tokens=tokens.numpy().astype(np.int32),
-        length=length.numpy().astype(np.int32),
-        behav_logp=logps.numpy(),
-        finish_reason=np.where(done.numpy(), FINISH_STOP, FINISH_LENGTH).astype(np.int8),
-        kv_cache_bytes=cache.allocated_bytes,
-        seconds=time.perf_counter() - start,
-    )
+    seed = draw_seed(generator)
+    state = Rollout(prompts, params, seed)
+    cache = new_cache(model, prompts, params, engine)
+    steps = run_engine(_PlainRunner(model, cache), state, engine.max_num_seqs)
+    return assemble(state, cache, time.perf_counter() - start, steps)

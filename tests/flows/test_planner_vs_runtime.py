@@ -15,14 +15,14 @@ from planner import (
     build_pipeline_order,
     estimate_activation_breakdown,
     estimate_activation_bytes_per_microbatch,
-    estimate_kv_cache_bytes,
     model_from_hf_config,
     simulate_schedule,
 )
 from planner.calibrate import estimate_durations_from_trace, measured_step_seconds, relative_error
+from planner.rollout import estimate_paged_kv_bytes
 from stages.layout import layers_per_stage
 from stages.policy import hf_state
-from stages.rollout import SamplingParams, generate
+from stages.rollout import EngineConfig, SamplingParams, generate
 from stages.train.batch import build_global_batch
 from stages.train.engine import StepResult, TrainSetup
 from stages.train.local import run_local_pipeline
@@ -32,18 +32,23 @@ from stages.train.timeline import COMPUTE_KINDS, chrome_events
 _FP32_BYTES = 4  # the runtime trains in fp32
 
 
-@pytest.mark.parametrize("layers, heads, kv_heads, head_dim, prompts, G, new", [
-    (2, 4, 2, 8, 3, 4, 5), (3, 4, 4, 16, 2, 8, 7), (1, 8, 1, 4, 5, 2, 3)])
-def test_kv_cache_formula_matches_the_engine_allocation_exactly(layers, heads, kv_heads, head_dim, prompts, G, new):
+@pytest.mark.parametrize("layers, heads, kv_heads, head_dim, prompts, G, new, page, seed", [
+    (2, 4, 2, 8, 3, 4, 5, 4, 0), (3, 4, 4, 16, 2, 8, 7, 3, 1), (1, 8, 1, 4, 5, 2, 3, 16, 2), (2, 4, 2, 8, 6, 3, 9, 1, 3)])
+def test_paged_kv_formula_matches_the_engine_allocation_exactly(layers, heads, kv_heads, head_dim, prompts, G, new,
+                                                                page, seed):
+    """Random prompt lengths and stop-token completion lengths: blocks x block bytes, counted exactly."""
     cfg = make_decoder_config(num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                               head_dim=head_dim)
-    model = make_model(cfg)
-    lengths = [3 + (i % 3) for i in range(prompts)]
-    batch = generate(model, [[1] + [4] * (n - 1) for n in lengths],
-                     SamplingParams(group_size=G, max_new_tokens=new, stop_ids=(2,)), torch.Generator().manual_seed(0))
-    predicted = estimate_kv_cache_bytes(model_from_hf_config(cfg.to_hf()), prompts, G, prompt_len=max(lengths),
-                                        gen_len=new, dtype_bytes=4, share_prefix=True)
-    assert batch.kv_cache_bytes == predicted
+    model = make_model(cfg, std=1.0)  # a peaked model, so the stop token ends samples at spread lengths
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 3 * page + 2, prompts).tolist()
+    batch = generate(model, [[1] + rng.integers(3, 17, n - 1).tolist() for n in lengths],
+                     SamplingParams(group_size=G, max_new_tokens=new, stop_ids=(2, 5, 7), temperature=1.5),
+                     torch.Generator().manual_seed(seed), EngineConfig(page_size=page, max_num_seqs=2 * G))
+    completions = batch.length.reshape(prompts, G).tolist()
+    predicted = estimate_paged_kv_bytes(model_from_hf_config(cfg.to_hf()), lengths, completions, page, dtype_bytes=4)
+    assert batch.kv_allocated_bytes == predicted
+    assert batch.kv_cache_bytes < predicted, "with 2 groups live at most, the peak is below the total"
 
 
 # -- step time: the schedule simulator fed with a real timeline -------------------------------------------

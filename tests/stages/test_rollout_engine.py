@@ -1,4 +1,4 @@
-"""The torch generation engine and its prefix-shared KV cache, checked against full forwards."""
+"""The torch generation engine and its paged KV cache, checked against full forwards and hand-worked counts."""
 
 from __future__ import annotations
 
@@ -7,11 +7,10 @@ import pytest
 import torch
 
 from stages.policy import DecoderConfig, build_stage
-from stages.rollout import FINISH_LENGTH, FINISH_STOP, RolloutBatch, SamplingParams, generate
+from stages.rollout import FINISH_LENGTH, FINISH_STOP, EngineConfig, RolloutBatch, SamplingParams, generate
 
 _LOGP_ATOL = 1e-4  # cached decode vs. one full fp32 forward
 _PAD = 0
-
 
 
 def make_cfg(**overrides) -> DecoderConfig:
@@ -45,8 +44,8 @@ def make_params(**overrides) -> SamplingParams:
     return SamplingParams(**fields)
 
 
-def run(model, prompts, params, seed: int = 0) -> RolloutBatch:
-    return generate(model, prompts, params, torch.Generator().manual_seed(seed))
+def run(model, prompts, params, seed: int = 0, engine: EngineConfig | None = None) -> RolloutBatch:
+    return generate(model, prompts, params, torch.Generator().manual_seed(seed), engine)
 
 
 def completion(batch: RolloutBatch, row: int) -> list[int]:
@@ -74,29 +73,81 @@ def test_behaviour_logp_equals_a_full_forward():
         assert np.all(batch.behav_logp[row, len(gen):] == 0.0)
 
 
-def test_behaviour_logp_ignores_top_p_truncation():
-    """The stored log-prob is under softmax(logits / T), the distribution the loss evaluates."""
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.5), (3, 1.0), (4, 0.6)])
+def test_behaviour_logp_is_under_the_truncated_distribution_sampled_from(top_k, top_p):
+    """log p(token) under softmax(logits / T) cut to top-k, then to the top-p nucleus, renormalised."""
     model, prompts = make_model(seed=1), make_prompts(seed=1)
-    params = make_params(temperature=1.3, top_p=0.5)
+    T = 1.3
+    params = make_params(temperature=T, top_p=top_p, top_k=top_k)
     batch = run(model, prompts, params)
-    row = 4
-    prompt, gen = prompts[row // params.group_size], completion(batch, row)
-    logits = full_logits(model, prompt + gen)[len(prompt) - 1: -1]
-    expected = torch.log_softmax(logits / 1.3, dim=-1)[torch.arange(len(gen)), gen]
-    assert torch.allclose(torch.from_numpy(batch.behav_logp[row]), expected, atol=_LOGP_ATOL)
+    G = params.group_size
+    for row in range(len(prompts) * G):
+        prompt, gen = prompts[row // G], completion(batch, row)
+        logits = full_logits(model, prompt + gen)[len(prompt) - 1: -1].double()
+        for n, tok in enumerate(gen):
+            # Hand-written reference: keep the top-k by sorted order, then the nucleus.
+            p = torch.softmax(logits[n] / T, dim=-1)
+            order = p.argsort(descending=True).tolist()
+            kept = order[: top_k or len(order)]
+            mass = p[kept] / p[kept].sum()
+            nucleus, total = [], 0.0
+            for i, tid in enumerate(kept):
+                if total >= top_p:
+                    break
+                nucleus.append(tid)
+                total += float(mass[i])
+            assert tok in nucleus, f"sample={row} token={n} sampled outside the kept set"
+            expected = float(torch.log(p[tok] / p[nucleus].sum()))
+            assert abs(float(batch.behav_logp[row, n]) - expected) <= _LOGP_ATOL, f"sample={row} token={n}"
 
 
-@pytest.mark.parametrize("num_prompts,group_size,max_new", [(3, 4, 5), (1, 1, 1), (2, 8, 3)])
-def test_kv_cache_bytes_is_the_prefix_shared_formula(num_prompts, group_size, max_new):
+def test_paged_kv_allocation_counts_shared_prompt_blocks_once_per_group():
     cfg = make_cfg(num_hidden_layers=3, num_key_value_heads=1, head_dim=6, num_attention_heads=2)
-    prompts = make_prompts(lengths=[2 + 3 * i for i in range(num_prompts)])
-    width = max(len(p) for p in prompts)
-    batch = run(make_model(cfg), prompts, make_params(group_size=group_size, max_new_tokens=max_new))
-    dtype_bytes = 4  # fp32
-    P, G = num_prompts, group_size
-    expected = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
-                * (P * width + P * G * max_new))
-    assert batch.kv_cache_bytes == expected
+    prompts = make_prompts(lengths=(2, 9, 4, 8))
+    page, G = 4, 3
+    batch = run(make_model(cfg), prompts, make_params(group_size=G, max_new_tokens=7, stop_ids=(5,)),
+                engine=EngineConfig(page_size=page, max_num_seqs=64))
+    block_bytes = 2 * 3 * 1 * 6 * 4 * page  # K and V x layers x kv heads x head_dim x fp32 x tokens
+    blocks = 0
+    for g, prompt in enumerate(prompts):  # worked by hand: 9 = 2 shared blocks + a 1-token partial per sample
+        full, partial = divmod(len(prompt), page)
+        blocks += full + sum(-(-(partial + int(n) - 1) // page) for n in batch.length[g * G:(g + 1) * G])
+    assert batch.kv_allocated_bytes == blocks * block_bytes
+    assert 0 < batch.kv_cache_bytes <= batch.kv_allocated_bytes <= batch.kv_pool_bytes
+
+
+def test_results_do_not_depend_on_batching():
+    """A sample's tokens depend on (seed, prompt, sample) only: one group at a time gives the same rows."""
+    model, prompts = make_model(seed=5), make_prompts(lengths=(3, 6, 1, 5), seed=5)
+    params = make_params(group_size=3, max_new_tokens=8, temperature=1.4, stop_ids=(2, 7))
+    wide = run(model, prompts, params, seed=11, engine=EngineConfig(page_size=4, max_num_seqs=64))
+    narrow = run(model, prompts, params, seed=11, engine=EngineConfig(page_size=3, max_num_seqs=4))
+    assert wide.length.min() < params.max_new_tokens, "the seed should stop some samples early"
+    assert np.array_equal(wide.tokens, narrow.tokens) and np.array_equal(wide.length, narrow.length)
+    assert np.allclose(wide.behav_logp, narrow.behav_logp, atol=1e-5)
+    assert narrow.kv_cache_bytes < wide.kv_cache_bytes, "fewer live sequences need fewer blocks at peak"
+
+
+def test_continuous_batching_refills_finished_slots():
+    """With room for one group, the next group starts as soon as the previous one finishes."""
+    model, prompts = make_model(seed=6), make_prompts(lengths=(3, 2, 4, 2), seed=6)
+    params = make_params(group_size=2, max_new_tokens=6, temperature=1.5, stop_ids=(3, 8))
+    batch = run(model, prompts, params, seed=2, engine=EngineConfig(page_size=2, max_num_seqs=2))
+    per_group = batch.length.reshape(len(prompts), 2).max(axis=1)
+    # A group of max length m takes m - 1 decode steps after its prefill (the first token comes from it).
+    assert batch.decode_steps == int((per_group - 1).sum())
+    assert batch.decode_steps < len(prompts) * (params.max_new_tokens - 1), "some group should stop early"
+
+
+def test_sampling_params_and_engine_config_reject_bad_values():
+    with pytest.raises(ValueError, match="top_k"):
+        make_params(top_k=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        make_params(top_p=0.0)
+    with pytest.raises(ValueError, match="page_size"):
+        EngineConfig(page_size=0)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        run(make_model(), make_prompts(), make_params(group_size=3), engine=EngineConfig(max_num_seqs=2))
 
 
 def test_stop_tokens_end_a_sample():
@@ -181,3 +232,15 @@ def test_group_samples_share_their_prompt_rows():
 def test_generate_refuses_a_pipeline_stage():
     with pytest.raises(ValueError, match="whole model"):
         run(build_stage(make_cfg(), 0, 2), make_prompts(), make_params())
+
+
+def test_pool_holds_groups_left_with_one_live_row():
+    """Rows of several groups outlive their siblings: every such group keeps its shared prompt blocks."""
+    model, prompts = make_model(seed=7), make_prompts(lengths=(40, 37, 41, 38, 40), seed=7)
+    params = make_params(group_size=4, max_new_tokens=12, temperature=1.5, stop_ids=(2, 3, 9))
+    batch = run(model, prompts, params, seed=2, engine=EngineConfig(page_size=4, max_num_seqs=5))
+    page_bytes = batch.kv_allocated_bytes // sum(  # blocks allocated, by the formula the planner uses
+        n // 4 + sum(-(-(n % 4 + int(m) - 1) // 4) for m in batch.length[g * 4:(g + 1) * 4])
+        for g, n in enumerate(len(p) for p in prompts))
+    one_group = max(n // 4 + 4 * -(-(n % 4 + 12) // 4) for n in map(len, prompts)) * page_bytes  # at full length
+    assert batch.kv_cache_bytes > one_group, "the seed should keep two groups' prompt blocks live at once"

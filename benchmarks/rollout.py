@@ -1,0 +1,264 @@
+"""Rollout throughput: the paged continuous-batching engine vs the static engine vs transformers.
+
+One run measures side by side, interleaved per repetition (minimum time kept), on a random Llama of
+hidden 512, 8 layers, 8 heads, MLP 1024, vocab 2560 (23.6M parameters), 16 prompts x G 8, <= 64 new
+tokens, prompts of 16..48 tokens:
+
+  paged     stages.rollout.generate (this engine)
+  static    the previous engine, kept below: one static batch, prefix-shared flat KV cache,
+            every row decoded until the last one finishes
+  hf        transformers LlamaForCausalLM.generate with the same weights, do_sample, output_scores
+            (behaviour log-probs gathered from the scores, as a rollout needs them)
+
+Two workloads: ``skewed`` (the EOS logit is raised through a constant residual direction, so
+completion lengths spread roughly geometrically with a tail at the cap) and ``fixed`` (no stop
+token: every completion runs 64 tokens). For ``fixed`` the paged engine's model FLOP/s (2 FLOPs per
+non-embedding parameter per token plus attention's 4 * L * q_dim * context, Kaplan et al. 2020
+Sec. 2.1) is compared with a plain matmul of the decode shapes ([128, 512] x each weight matrix).
+Speculative decoding (k = 2, 4; draft = first 2 layers + head) is timed on ``skewed``.
+
+    .venv/bin/python benchmarks/rollout.py [--threads 1] [--reps 1] [--only skewed|fixed|speculative] [--no-hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from stages.policy import DecoderConfig, build_stage, to_hf_name
+from stages.rollout import EngineConfig, SamplingParams, generate
+from stages.rollout.speculative import draft_from_target, generate_speculative
+
+_CFG = DecoderConfig(vocab_size=2560, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
+                     num_attention_heads=8, num_key_value_heads=8, head_dim=64, eos_token_id=1, pad_token_id=0)
+_PROMPTS, _G, _MAX_NEW = 16, 8, 64
+_EOS = 1
+_EOS_LOGIT = 4.4  # vs 2,559 near-uniform logits (std ~0.45): p(EOS) ~ 3% a token, most completions far below 64
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    model = build_stage(_CFG)
+    model.init_weights(torch.Generator().manual_seed(seed), std=0.02)
+    with torch.no_grad():
+        # Dimension 0 of every embedding is large, so after the final RMSNorm it is nearly constant;
+        # lm_head[EOS, 0] scaled by its measured value then gives a nearly constant EOS logit.
+        model.embed_tokens.weight[:, 0] = 20.0
+        model.return_hidden = True
+        normed0 = model(torch.tensor([make_prompts()[0]]))[0, :, 0].mean()
+        model.return_hidden = False
+        model.lm_head.weight[_EOS, 0] = _EOS_LOGIT / normed0
+    return model.eval()
+
+
+def make_prompts(seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(2, _CFG.vocab_size, rng.integers(16, 49)).tolist() for _ in range(_PROMPTS)]
+
+
+# -- the previous engine: one static batch over a prefix-shared flat cache ---------------------------------
+class _PrefixSharedKVCache:
+    def __init__(self, L, P, G, width, N, kvh, d, prompt_mask):
+        self.k_prefix, self.v_prefix = torch.zeros(L, P, kvh, width, d), torch.zeros(L, P, kvh, width, d)
+        self.k_decode, self.v_decode = torch.zeros(L, P * G, kvh, N, d), torch.zeros(L, P * G, kvh, N, d)
+        self.prompt_mask, self.group_size, self.num_decoded, self.prefilling = prompt_mask, G, 0, True
+
+    def attend(self, layer, q, k, v):
+        if self.prefilling:
+            T = q.shape[2]
+            self.k_prefix[layer], self.v_prefix[layer] = k, v
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            mask = torch.ones(T, T, dtype=torch.bool).tril()[None, None] & self.prompt_mask[:, None, None, :]
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask | torch.eye(T, dtype=torch.bool))
+        n = self.num_decoded
+        self.k_decode[layer, :, :, n], self.v_decode[layer, :, :, n] = k[:, :, 0], v[:, :, 0]
+        PG, h, _, d = q.shape
+        G, kvh = self.group_size, k.shape[1]
+        P, rep = PG // G, h // kvh
+        qg = q.view(P, G, kvh, rep, d)
+        kp, vp = self.k_prefix[layer], self.v_prefix[layer]
+        kd = self.k_decode[layer, :, :, : n + 1].view(P, G, kvh, n + 1, d)
+        vd = self.v_decode[layer, :, :, : n + 1].view(P, G, kvh, n + 1, d)
+        s_prefix = torch.einsum("pgkrd,pkld->pgkrl", qg, kp) * d ** -0.5
+        s_prefix = s_prefix.masked_fill(~self.prompt_mask[:, None, None, None, :], float("-inf"))
+        s_decode = torch.einsum("pgkrd,pgknd->pgkrn", qg, kd) * d ** -0.5
+        probs = torch.softmax(torch.cat([s_prefix, s_decode], dim=-1), dim=-1)
+        Lp = kp.shape[2]
+        out = (torch.einsum("pgkrl,pkld->pgkrd", probs[..., :Lp], vp)
+               + torch.einsum("pgkrn,pgknd->pgkrd", probs[..., Lp:], vd))
+        return out.reshape(PG, h, 1, d)
+
+
+@torch.no_grad()
+def static_generate(model, prompts, params: SamplingParams, gen: torch.Generator) -> np.ndarray:
+    """The previous engine's algorithm; returns completion lengths."""
+    P, G, N = len(prompts), params.group_size, params.max_new_tokens
+    width = max(len(p) for p in prompts)
+    ids, mask = torch.zeros((P, width), dtype=torch.long), torch.zeros((P, width), dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), True
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    cfg = model.cfg
+    cache = _PrefixSharedKVCache(cfg.num_hidden_layers, P, G, width, N, cfg.num_key_value_heads, cfg.head_dim, mask)
+    logits = model(ids, positions, cache)[:, -1].repeat_interleave(G, dim=0)
+    cache.prefilling = False
+    next_pos = positions[:, -1].repeat_interleave(G) + 1
+    done, length = torch.zeros(P * G, dtype=torch.bool), torch.zeros(P * G, dtype=torch.long)
+    stop = torch.tensor(params.stop_ids, dtype=torch.long)
+    for n in range(N):
+        logp = torch.log_softmax(logits.float() / params.temperature, dim=-1)
+        tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
+        _ = logp.gather(-1, tok[:, None])
+        tok = torch.where(done, params.pad_id, tok)
+        length += (~done).long()
+        done = done | torch.isin(tok, stop)
+        if bool(done.all()) or n == N - 1:
+            break
+        logits = model(tok[:, None], (next_pos + n)[:, None], cache)[:, -1]
+        cache.num_decoded += 1
+    return length.numpy()
+
+
+# -- transformers ---------------------------------------------------------------------------------------
+def hf_model(model) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf = LlamaForCausalLM(LlamaConfig(**_CFG.to_hf())).eval()
+    hf.load_state_dict({to_hf_name(k): v for k, v in model.state_dict().items()})
+    return hf
+
+
+@torch.no_grad()
+def hf_generate(hf, prompts, params: SamplingParams, seed: int) -> np.ndarray:
+    """LlamaForCausalLM.generate on the G-fold repeated, left-padded prompts; returns completion lengths."""
+    torch.manual_seed(seed)
+    rows = [p for p in prompts for _ in range(params.group_size)]
+    width = max(len(p) for p in rows)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in rows])
+    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
+    stop = list(params.stop_ids) or None
+    out = hf.generate(ids, attention_mask=attn, do_sample=True, max_new_tokens=params.max_new_tokens,
+                      temperature=params.temperature, top_k=0, top_p=1.0, eos_token_id=stop, pad_token_id=0,
+                      output_scores=True, return_dict_in_generate=True, min_new_tokens=0)
+    new = out.sequences[:, width:]
+    logp = torch.stack([torch.log_softmax(s, -1) for s in out.scores], 1).gather(-1, new[..., None])
+    assert logp.shape[:2] == new.shape
+    if stop is None:
+        return np.full(len(rows), new.shape[1])
+    is_stop = torch.isin(new, torch.tensor(stop))
+    first = torch.where(is_stop.any(1), is_stop.float().argmax(1) + 1, torch.tensor(new.shape[1]))
+    return first.numpy()
+
+
+# -- FLOPs and the matmul reference ----------------------------------------------------------------------
+def _weights(model) -> list[torch.Tensor]:
+    return [p for n, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in n]
+
+
+def model_flops(model, prompts, lengths: np.ndarray) -> float:
+    """2 FLOPs per non-embedding weight per token (prefill once per prompt, decode per fed token) + attention."""
+    per_token = 2 * sum(w.numel() for w in _weights(model))
+    L, qd = _CFG.num_hidden_layers, _CFG.num_attention_heads * _CFG.head_dim
+    flops = 0.0
+    for i, p in enumerate(prompts):
+        n = len(p)
+        flops += n * per_token + 4 * L * qd * n * (n + 1) / 2
+        for m in lengths[i * _G:(i + 1) * _G]:
+            fed = int(m) - 1  # the last token is never fed
+            flops += fed * per_token + 4 * L * qd * sum(n + j + 1 for j in range(fed))
+    return flops
+
+
+def matmul_flops_per_s(model, batch: int, reps: int = 20) -> float:
+    """FLOP per CPU-second of F.linear over [batch, in] x every decode weight, back to back (best of reps)."""
+    ws = _weights(model)
+    xs = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in ws}
+    best = float("inf")
+    for _ in range(reps):
+        t = time.process_time()
+        for w in ws:
+            F.linear(xs[w.shape[1]], w)
+        best = min(best, time.process_time() - t)
+    return 2 * batch * sum(w.numel() for w in ws) / best
+
+
+def _timed(fn):
+    """(wall seconds, CPU seconds of this process, result): CPU time is what the run itself used on a
+    shared machine, wall time also counts waiting for a core."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = fn()
+    return time.perf_counter() - wall, time.process_time() - cpu, out
+
+
+def _compare(model, hf, prompts, name: str, stop: tuple[int, ...], reps: int) -> None:
+    params = SamplingParams(_G, _MAX_NEW, 1.0, 1.0, stop, 0)
+    best: dict[str, tuple[float, float, np.ndarray]] = {}
+    for rep in range(reps):
+        runs = {
+            "paged": lambda: generate(model, prompts, params, torch.Generator().manual_seed(rep)).length,
+            "static": lambda: static_generate(model, prompts, params, torch.Generator().manual_seed(rep)),
+        }
+        if hf is not None:
+            runs["hf"] = lambda: hf_generate(hf, prompts, params, rep)
+        for key, fn in runs.items():
+            wall, cpu, lengths = _timed(fn)
+            if key not in best or cpu < best[key][1]:
+                best[key] = (wall, cpu, lengths)
+    lengths = best["paged"][2]
+    print(f"\n[{name}] completion length mean {lengths.mean():.1f}, p50 {np.median(lengths):.0f}, "
+          f"max {lengths.max()}, at cap {np.mean(lengths == _MAX_NEW):.0%}")
+    base = lengths.sum() / best["paged"][1]
+    for key, (wall, cpu, n) in best.items():
+        print(f"  {key:7s} wall {wall:6.2f} s  cpu {cpu:6.2f} s  {n.sum() / cpu:6.0f} tok/cpu-s  "
+              f"{n.sum() / wall:6.0f} tok/s  paged / {key} = {base / (n.sum() / cpu):.2f}x (cpu)")
+    if name == "fixed":
+        mm = matmul_flops_per_s(model, _PROMPTS * _G)
+        fl = model_flops(model, prompts, lengths)
+        print(f"  matmul [128, *] x weights: {mm / 1e9:.1f} GFLOP/s (cpu); paged engine model FLOP/s: "
+              f"{fl / best['paged'][1] / 1e9:.1f} GFLOP/s per cpu-s = {fl / best['paged'][1] / mm:.0%} of matmul "
+              f"({fl / best['paged'][0] / 1e9:.1f} GFLOP/s wall)")
+
+
+def _speculative(model, prompts, rows: int) -> None:
+    """Plain vs speculative (k = 2, 4) on ``rows`` sequences of fixed length (no stop token)."""
+    G = min(_G, rows)
+    prompts = prompts[: max(1, rows // G)]
+    params = SamplingParams(G, _MAX_NEW, 1.0, 1.0, (), 0)
+    draft = draft_from_target(model, 2)
+    _, plain, _ = _timed(lambda: generate(model, prompts, params, torch.Generator().manual_seed(0)))
+    print(f"\n[speculative, {len(prompts) * G} rows x {_MAX_NEW} tokens, draft = 2 of 8 layers] plain cpu {plain:.2f} s")
+    for k in (2, 4):
+        _, cpu, (_, st) = _timed(lambda: generate_speculative(model, draft, prompts, params,
+                                                              torch.Generator().manual_seed(0), k))
+        a = st.acceptance
+        print(f"  k={k}: cpu {cpu:.2f} s, acceptance {a:.2f}, tokens per target forward {st.tokens_per_verify:.2f} "
+              f"(Leviathan Eq. 1: {(1 - a ** (k + 1)) / (1 - a):.2f}), speed-up {plain / cpu:.2f}x")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--only", choices=["skewed", "fixed", "speculative"])
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model, prompts = make_model(), make_prompts()
+    hf = None if args.no_hf else hf_model(model)
+    params_n = sum(p.numel() for p in model.parameters())
+    print(f"model {params_n / 1e6:.1f}M params, {_PROMPTS} prompts x G {_G}, <= {_MAX_NEW} new, threads {args.threads}")
+    if args.only in (None, "skewed"):
+        _compare(model, hf, prompts, "skewed", (_EOS,), args.reps)
+    if args.only in (None, "fixed"):
+        _compare(model, hf, prompts, "fixed", (), args.reps)
+    if args.only in (None, "speculative"):
+        _speculative(model, prompts, 4)
+        _speculative(model, prompts, _PROMPTS * _G)
+
+
+if __name__ == "__main__":
+    main()

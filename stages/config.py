@@ -109,15 +109,28 @@ class RolloutConfig:
     max_new_tokens: int = 6
     temperature: float = 1.0
     top_p: float = 1.0
+    """Nucleus sampling mass kept; behav_logp is the log-prob under the truncated, renormalised
+    distribution actually sampled from (stages/rollout/sampling.py)."""
+    top_k: int = 0
+    """Sample among the k most likely tokens only; 0: no top-k cut."""
     num_engines: int = 1
     """Generation engines (workers with the ``rollout`` resource); prompts are split between them."""
+    page_size: int = 16
+    """Tokens per block of the paged KV cache (stages/rollout/paged_kv.py)."""
+    max_num_seqs: int = 256
+    """Live sequences one decode step holds at most (continuous batching admits whole groups)."""
 
     def __post_init__(self) -> None:
         _require(self.group_size >= 2, "rollout.group_size must be >= 2 (a group needs a spread)")
         _require(self.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
         _require(self.temperature > 0, "rollout.temperature must be > 0")
         _require(0 < self.top_p <= 1, "rollout.top_p must be in (0, 1]")
+        _require(self.top_k >= 0, "rollout.top_k must be >= 0 (0: off)")
         _require(self.num_engines >= 1, "rollout.num_engines must be >= 1")
+        _require(self.page_size >= 1, "rollout.page_size must be >= 1")
+        _require(self.max_num_seqs >= self.group_size,
+                 f"rollout.max_num_seqs={self.max_num_seqs} must be >= rollout.group_size={self.group_size}: "
+                 "a group is admitted whole")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch
 
 from stages.config import RolloutConfig
 from stages.policy.tokenizer import TextCodec
-from stages.rollout.engine import RolloutBatch, SamplingParams, generate
+from stages.rollout.engine import EngineConfig, RolloutBatch, SamplingParams, generate
 
 __all__ = ["RolloutRows", "rollout_seed", "first_group_id", "sampling_params", "rollout_rows", "generate_rows"]
 
@@ -51,7 +51,7 @@ def first_group_id(step: int, prompts_per_step: int, prompt_start: int) -> int:
 
 def sampling_params(cfg: RolloutConfig, codec: TextCodec) -> SamplingParams:
     return SamplingParams(cfg.group_size, cfg.max_new_tokens, cfg.temperature, cfg.top_p, tuple(codec.eos_ids),
-                          codec.pad_id)
+                          codec.pad_id, top_k=cfg.top_k)
 
 
 def rollout_rows(batch: RolloutBatch, prompt_width: int, pad_id: int, first_group: int, group_size: int,
@@ -83,6 +83,7 @@ def generate_rows(model: torch.nn.Module, codec: TextCodec, prompt_ids: Sequence
     their rows."""
     ids = [list(p) for p in prompt_ids]
     gen = torch.Generator().manual_seed(rollout_seed(seed, step, prompt_start))
-    batch = generate(model, ids, sampling_params(cfg, codec), gen)
+    batch = generate(model, ids, sampling_params(cfg, codec), gen,
+                     EngineConfig(page_size=cfg.page_size, max_num_seqs=cfg.max_num_seqs))
     return rollout_rows(batch, prompt_width, codec.pad_id, first_group_id(step, prompts_per_step, prompt_start),
                         cfg.group_size, policy_version, row_start=prompt_start * cfg.group_size)

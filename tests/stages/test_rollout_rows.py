@@ -66,10 +66,10 @@ def test_generate_rows_equals_a_direct_engine_call():
                                            eos_token_id=codec.eos_id, pad_token_id=codec.pad_id))
     cfg = RolloutConfig(group_size=3, max_new_tokens=4, temperature=1.3)
     prompts = ["12+7=", "3+45="]
-    rows = generate_rows(model, codec, prompts, cfg, seed=5, step=2, prompt_start=6, prompts_per_step=8,
+    ids = [[codec.bos_id, *codec.encode(p)] for p in prompts]
+    rows = generate_rows(model, codec, ids, cfg, seed=5, step=2, prompt_start=6, prompts_per_step=8,
                          prompt_width=7, policy_version=1)
     # The reference: the engine called by hand with the seed formula written out.
-    ids = [[codec.bos_id, *codec.encode(p)] for p in prompts]
     params = SamplingParams(3, 4, 1.3, 1.0, (codec.eos_id,), codec.pad_id)
     direct = generate(model, ids, params, torch.Generator().manual_seed(5 * 1_000_003 + 2 * 1_009 + 6))
     for name in ("tokens", "length", "behav_logp", "finish_reason", "prompt_len"):

@@ -12,9 +12,12 @@ __all__ = ["main"]
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from flows.config import load_config
-    from flows.loop import format_summary, run, run_folder
+    from flows.loop import format_summary, fresh_run, run, run_folder
 
     cfg = load_config(args.config, args.overrides)
+    if args.new and run_folder(cfg).exists():
+        cfg = fresh_run(cfg)
+        print(f"starting over as run {cfg.run_name} in {run_folder(cfg).root}", flush=True)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("flows").setLevel(logging.WARNING if args.quiet else logging.INFO)
     summary = run(cfg, progress=not args.quiet)
@@ -52,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="key=value, e.g. iterations=5 train.schedule=gpipe")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--new", action="store_true",
+                   help="start over in a fresh folder (run_name-2, -3, ...) if the run folder exists")
     p.set_defaults(fn=_cmd_run)
     p = sub.add_parser("ui", help="start the MLflow UI on a run's tracking store (127.0.0.1)")
     p.add_argument("config", nargs="?", default="configs/tiny.yaml")

@@ -1,6 +1,6 @@
 """MLflow lineage: the only module that calls MLflow.
 
-One parent run per ``grpoflow run``; one child run per iteration with the config as params, the
+One parent run per run folder (a resumed run continues it: ``run_id``); one child run per iteration with the config as params, the
 step's metrics (logged in one batch per step: a sqlite log call costs tens of milliseconds), the
 step's Zarr group as an input dataset (source type ``zarr``, with a content digest) and the
 policy version's path and hash as tags.
@@ -71,7 +71,8 @@ class Lineage:
     """A parent MLflow run for one ``grpoflow run``, and a child run per iteration."""
 
     def __init__(self, tracking_uri: str, experiment: str, run_name: str, params: dict[str, Any],
-                 tags: dict[str, str] | None = None, artifact_location: str | None = None):
+                 tags: dict[str, str] | None = None, artifact_location: str | None = None,
+                 run_id: str | None = None):
         self.tracking_uri = tracking_uri
         mlflow.set_tracking_uri(tracking_uri)
         self.client = MlflowClient(tracking_uri)
@@ -79,6 +80,12 @@ class Lineage:
         self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(
             experiment, artifact_location=artifact_location)
         self.params = {k: str(v)[:_MAX_PARAM_LEN] for k, v in flatten(params).items()}
+        if run_id is not None:
+            # A resumed run continues its parent run: params are logged already, the status runs again.
+            self.run_id = run_id
+            self.client.update_run(run_id, status="RUNNING")
+            self._log(run_id, tags=tags)
+            return
         parent = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags or {})
         self.run_id = parent.info.run_id
         self._log(self.run_id, params=self.params)

@@ -6,7 +6,7 @@ key, file or sample, and nothing stored is changed.
   safetensors holding every tensor the model needs at its configured shape;
 - an existing run folder: started with the same config, except :data:`SAFE_TO_CHANGE` keys
   (run.json); its Zarr steps readable; its policy versions hashing to their manifests;
-- prompts no longer than ``task.prompt_width`` (:func:`check_prompt_lengths`).
+- prompts no longer than ``task.prompt_width`` under model.path's tokenizer (:func:`check_task_prompts`).
 
 NaN or infinite rewards are not refused here: the reward stage marks those samples failed
 (stages/reward ``score_samples``), and failed samples carry no gradient.
@@ -23,7 +23,7 @@ import numpy as np
 from flows.schema import ConfigError, GRPOConfig, config_to_dict
 
 __all__ = ["SAFE_TO_CHANGE", "PreflightError", "config_differences", "check_rewards", "check_model_folder",
-           "check_run_folder", "check_prompt_lengths", "preflight"]
+           "check_run_folder", "check_prompt_lengths", "check_task_prompts", "preflight"]
 
 SAFE_TO_CHANGE = ("iterations", "runs_dir", "cluster.", "mlflow.", "plan.")
 """Config keys (or key prefixes, ending in '.') a resumed run may change: they decide how long and
@@ -205,10 +205,29 @@ def check_run_folder(cfg: GRPOConfig, folder) -> dict[str, Any] | None:
     return state
 
 
+def check_task_prompts(cfg: GRPOConfig) -> None:
+    """The task's prompts of every step, tokenised by model.path's tokenizer as the rollout does
+    (BOS + text), fit task.prompt_width."""
+    from stages.policy.tokenizer import TextCodec
+    from stages.tasks.addition import make_prompts
+
+    path = Path(cfg.model.path) / "tokenizer.json"
+    try:
+        codec = TextCodec.from_json(path.read_text())
+    except Exception as exc:
+        raise _model_error(Path(cfg.model.path), f"tokenizer.json cannot be used: "
+                                                 f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from None
+    for step in range(cfg.iterations):
+        texts = make_prompts(cfg.seed, step, cfg.task.prompts_per_step, cfg.task.num_digits)
+        check_prompt_lengths(([codec.bos_id] + codec.encode(t) for t in texts), cfg.task.prompt_width,
+                             where=f"step {step}: prompt")
+
+
 def preflight(cfg: GRPOConfig, folder) -> dict[str, Any] | None:
     """Every check that needs no cluster, in the order a user would fix them; returns run.json of a
     resumed run (None for a new one). Raises :class:`PreflightError`."""
     check_rewards(cfg.reward.functions)
     if cfg.model.path:
         check_model_folder(cfg.model.path)
+        check_task_prompts(cfg)
     return check_run_folder(cfg, folder)

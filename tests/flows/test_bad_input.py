@@ -23,6 +23,7 @@ from flows.loop import fresh_run, run, run_folder
 from flows.preflight import PreflightError, check_prompt_lengths, config_differences, preflight
 from flows.schema import ConfigError, config_hash, config_to_dict
 from stages.policy import hf_state
+from stages.tasks.addition import make_tokenizer_json
 from storage.rollouts import ARRAYS
 
 BASE = ["task.prompts_per_step=8", "train.micro_batch_size=16", "warmup.steps=5", "iterations=3"]
@@ -43,7 +44,7 @@ def _hf_folder(path: Path, model_cfg=None) -> Path:
 
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps(model_cfg.to_hf()))
-    (path / "tokenizer.json").write_text("{}")
+    (path / "tokenizer.json").write_text(make_tokenizer_json())
     save_file({k: v.contiguous() for k, v in hf_state(make_model(model_cfg)).items()}, str(path / "model.safetensors"))
     return path
 
@@ -121,6 +122,13 @@ def _edit_json(path: Path, **changes) -> None:
 
 
 # (case id, extra overrides (callable of the HF folder or a list), file edit (run, hf) -> None, message regex)
+def _char_split_tokenizer() -> str:
+    """The task's tokenizer, normalising "+" to "++": every prompt grows one token past the width."""
+    tok = json.loads(make_tokenizer_json())
+    tok["normalizer"] = {"type": "Replace", "pattern": {"String": "+"}, "content": "++"}
+    return json.dumps(tok)
+
+
 def _model(**changes):
     return lambda run, hf: _edit_json(hf / "config.json", **changes)
 
@@ -156,6 +164,9 @@ CASES = [
     ("model-wrong-shape", "hf", _model(intermediate_size=64), r"tensor model.layers.0.mlp.\w+_proj.weight has shape \[\d+, \d+\], config.json implies"),
     ("model-wrong-vocab", "hf", _model(vocab_size=99), r"tensor (lm_head|model.embed_tokens).weight has shape \[17, 32\], config.json implies \[99, 32\]"),
     ("model-more-layers", "hf", _model(num_hidden_layers=5), r"tensor model.layers.4.\S+ is missing"),
+    ("model-tokenizer-not-json", "hf", lambda run, hf: (hf / "tokenizer.json").write_text("{"), r"tokenizer.json cannot be used"),
+    ("prompt-wider-than-width", "hf", lambda run, hf: (hf / "tokenizer.json").write_text(_char_split_tokenizer()),
+     r"step 0: prompt 0 has \d+ tokens, longer than task.prompt_width=\d+"),
     # -- an existing run folder with another config ------------------------------------------------
     ("config-lr-changed", ["train.lr=0.1"], None, r"started with a different config: train.lr differ; run with --new"),
     ("config-seed-and-group", ["seed=3", "rollout.group_size=4"], None, r"rollout.group_size, seed differ"),

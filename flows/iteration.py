@@ -197,7 +197,7 @@ def run_iteration(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFold
     if skipped:  # a resumed step: the skipped stages' measurements were stored with their marks
         attrs = store.attrs(step)
         for s in skipped:
-            results[s] = [{"events": [], **r} for r in attrs.get(f"results_{s}", [])]
+            results[s] = [{"events": [], **r} if s == "train" else r for r in attrs.get(f"results_{s}", [])]
     return _collect(step, results, stage_seconds, skipped)
 
 

@@ -139,5 +139,9 @@ def test_training_metrics_equal_and_summary_covers_every_step(two_runs):
     for ma, mb in zip(ja["metrics"], jb["metrics"]):
         assert {k: ma[k] for k in METRICS} == {k: mb[k] for k in METRICS}, ma["step"]
     assert any(m["loss"] != 0.0 for m in ja["metrics"])  # a step that trained on something
-    # one MLflow parent run across every restart
+    # one MLflow parent run across every restart, with one child run per step
     assert jb["mlflow_run_id"] == json.loads((b / "run.json").read_text())["mlflow_run_id"]
+    from storage.lineage import iteration_runs
+
+    children = iteration_runs(jb["tracking_uri"], jb["mlflow_run_id"])
+    assert list(children["tags.grpoflow.step"]) == [str(s) for s in range(ITERATIONS)]

@@ -17,9 +17,12 @@ _OVERRIDES_HELP = "optional key=value overrides of the config, e.g. iterations=5
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from flows.config import load_config
-    from flows.loop import format_summary, remaining_steps, run, run_folder
+    from flows.loop import format_summary, fresh_run, remaining_steps, run, run_folder
 
     cfg = load_config(args.config, args.overrides)
+    if args.new and run_folder(cfg).exists():
+        cfg = fresh_run(cfg)
+        print(f"starting over as run {cfg.run_name} in {run_folder(cfg).root}", flush=True)
     folder = run_folder(cfg)
     if not remaining_steps(cfg) and Path(folder.summary).is_file():
         print(f"run {cfg.run_name}: all {cfg.iterations} iterations are published in {folder.root}; "
@@ -94,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config", help="a YAML config, e.g. configs/tiny.yaml")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=_OVERRIDES_HELP)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--new", action="store_true",
+                   help="start over in a fresh folder (run_name-2, -3, ...) if the run folder exists")
     p.set_defaults(fn=_cmd_run)
     p = sub.add_parser("config", help="print a resolved config with each key's documentation",
                        description="Print a config after overrides, as YAML with each key's documentation.")

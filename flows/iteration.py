@@ -194,6 +194,10 @@ def run_iteration(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFold
 
     stage_seconds = {s: finished_at[s] - max((finished_at[d] for d in _AFTER[s]), default=start) for s in STAGES}
     skipped = frozenset(s.stage for s in stages.values() if s.gate is None)
+    if skipped:  # a resumed step: the skipped stages' measurements were stored with their marks
+        attrs = store.attrs(step)
+        for s in skipped:
+            results[s] = [{"events": [], **r} if s == "train" else r for r in attrs.get(f"results_{s}", [])]
     return _collect(step, results, stage_seconds, skipped)
 
 
@@ -228,7 +232,7 @@ def _collect(step: int, values: dict[str, list], stage_seconds: dict[str, float]
         m["train_step_seconds"] = max(r["metrics"]["step_seconds"] for r in trains)
         m["publish_bytes"] = sum(r["shard_bytes"] for r in trains)
         m["publish_write_seconds"] = max(r["shard_seconds"] for r in trains)
-        origin = min(e["ts"] for e in events if "ts" in e)
+        origin = min((e["ts"] for e in events if "ts" in e), default=0)
         for e in events:
             if "ts" in e:
                 e["ts"] -= origin

@@ -2,21 +2,26 @@
 record lineage, write the run summary.
 
 Resuming: a run folder that already holds published steps continues after the last one, from the
-policy version it published; a step left half-done is picked up after its last complete stage.
+policy version it published and the optimiser state saved with it, against the run's reference
+(policy v0), in the same MLflow parent run; a step left half-done is picked up after its last
+complete stage. A folder started with another config is refused (flows/preflight.py), and
+``new=True`` starts over in a fresh folder instead (docs/reliability.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tqdm.auto import tqdm
 
 from flows import tasks
 from flows.cluster import Pools, check_pools, dashboard_link, start_cluster
 from flows.iteration import STAGES, IterationResult, run_iteration
+from flows.preflight import preflight
 from flows.schema import GRPOConfig, config_hash, config_to_dict
 from stages.policy.tokenizer import TextCodec
 from stages.train.rendezvous import free_port
@@ -26,7 +31,7 @@ from storage.policies import PolicyRef
 from storage.run_folder import RunFolder
 from storage.samples import load_sample_table, step_array_specs
 
-__all__ = ["RunSummary", "run", "run_folder", "tracking_uri", "format_summary", "remaining_steps"]
+__all__ = ["RunSummary", "run", "run_folder", "tracking_uri", "format_summary", "remaining_steps", "fresh_run"]
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +85,8 @@ def _init_ranks(client, cfg: GRPOConfig, pools: Pools, policy: PolicyRef) -> Non
     client.run(tasks.worker_ready, workers=list(pools.train))
     port = client.submit(free_port, workers=[pools.train[0]], pure=False).result()
     init_method = f"tcp://{pools.train_host}:{port}"
-    futures = [client.submit(tasks.init_train_rank, cfg, r, init_method, policy, workers=[w],
+    reference = run_folder(cfg).policy_store().ref(0)  # the run's reference, whatever version resumes
+    futures = [client.submit(tasks.init_train_rank, cfg, r, init_method, policy, reference, workers=[w],
                              resources={"train": 1}, pure=False, key=f"init-train-{r}-{cfg.run_name}-{port}")
                for r, w in enumerate(pools.train)]
     client.gather(futures)
@@ -90,7 +96,8 @@ def _resume_point(cfg: GRPOConfig, folder: RunFolder) -> tuple[int, int | None]:
     """(first step to run, policy version to start from) of an existing run folder."""
     store, policies = folder.rollout_store(), folder.policy_store()
     step = 0
-    while step < cfg.iterations and "publish" in store.completed(step) and policies.is_complete(step + 1):
+    # A step counts once its metrics are stored and logged (the "lineage" mark, written last).
+    while step < cfg.iterations and {"publish", "lineage"} <= store.completed(step) and policies.is_complete(step + 1):
         step += 1
     return step, (step if policies.is_complete(step) else None)
 
@@ -112,11 +119,46 @@ def _finished_summary(cfg: GRPOConfig, folder: RunFolder, tracking_uri: str) -> 
         policy_path=data["policy_path"])
 
 
+def fresh_run(cfg: GRPOConfig) -> GRPOConfig:
+    """``cfg`` with run_name + "-<k>", the smallest k >= 2 naming no existing run folder."""
+    k = 2
+    while Path(RunFolder.at(cfg.runs_dir, f"{cfg.run_name}-{k}").root).exists():
+        k += 1
+    return dataclasses.replace(cfg, run_name=f"{cfg.run_name}-{k}")
+
+
+def _lineage(cfg: GRPOConfig, folder: RunFolder, uri: str, state: dict | None, first_step: int) -> Lineage:
+    """The run's MLflow parent run: the stored one of a resumed run, else a new one; run.json records it."""
+    tags = {"grpoflow.config_hash": config_hash(cfg), "grpoflow.resumed_from": str(first_step)}
+    lineage = None
+    run_id = (state or {}).get("mlflow_run_id")
+    if run_id:
+        try:
+            lineage = Lineage(uri, cfg.mlflow.experiment, cfg.run_name, config_to_dict(cfg), tags=tags,
+                              artifact_location=folder.artifacts, run_id=run_id)
+        except Exception as exc:  # e.g. mlflow.tracking_uri changed: that store lacks the run
+            log.warning("MLflow run %s not found at %s (%s); starting a new parent run", run_id, uri, exc)
+    if lineage is None:
+        lineage = Lineage(uri, cfg.mlflow.experiment, cfg.run_name, config_to_dict(cfg), tags=tags,
+                          artifact_location=folder.artifacts)
+    folder.save_run_state({"config": config_to_dict(cfg), "config_hash": config_hash(cfg),
+                           "mlflow_run_id": lineage.run_id})
+    return lineage
+
+
+def _stop_with_driver(client, cluster) -> None:
+    """Embedded workers exit when this process dies, so a killed run leaves no writer behind."""
+    if cluster is not None:
+        client.run(tasks.exit_with_parent)
+
+
 def run(cfg: GRPOConfig, progress: bool = True) -> RunSummary:
-    """Run ``cfg.iterations`` GRPO iterations; writes the run folder's summary.json. A run folder
-    whose steps are all published is left as it is (summary.json included)."""
+    """Run ``cfg.iterations`` GRPO iterations; writes the run folder's summary.json. Bad inputs are
+    refused before anything is written (flows/preflight.py)."""
     start = time.perf_counter()
-    folder = run_folder(cfg).create()
+    folder = run_folder(cfg)
+    state = preflight(cfg, folder)
+    folder.create()
     uri = tracking_uri(cfg)
     first_step, version = _resume_point(cfg, folder)
     if first_step >= cfg.iterations and Path(folder.summary).is_file():
@@ -126,10 +168,9 @@ def run(cfg: GRPOConfig, progress: bool = True) -> RunSummary:
     client, cluster = start_cluster(cfg)
     lineage = None
     try:
+        _stop_with_driver(client, cluster)
         pools = check_pools(client, cfg)
-        lineage = Lineage(uri, cfg.mlflow.experiment, cfg.run_name, config_to_dict(cfg),
-                          tags={"grpoflow.config_hash": config_hash(cfg), "grpoflow.resumed_from": str(first_step)},
-                          artifact_location=folder.artifacts)
+        lineage = _lineage(cfg, folder, uri, state, first_step)
         lineage.set_tags({"dask.dashboard_link": dashboard_link(client) or "none"})
         if version is None:
             log.info("policy v0: %s", cfg.model.path or
@@ -141,8 +182,8 @@ def run(cfg: GRPOConfig, progress: bool = True) -> RunSummary:
         log.info("starting %d training ranks from policy v%d; %d iterations from step %d",
                  len(pools.train), policy.version, cfg.iterations - first_step, first_step)
         _init_ranks(client, cfg, pools, policy)
-        results = _loop(client, cfg, pools, folder, policy, first_step, lineage, progress)
-        summary = _summarise(cfg, lineage, uri, results, time.perf_counter() - start)
+        _loop(client, cfg, pools, folder, policy, first_step, lineage, progress)
+        summary = _summarise(cfg, lineage, uri, folder, time.perf_counter() - start)
         summary_path = folder.save_summary(summary.to_json())
         lineage.log_summary({"wall_seconds": summary.wall_seconds}, [summary_path])
         lineage.finish()
@@ -196,6 +237,9 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
             handle.log_samples(load_sample_table(folder.rollouts, step, codec.decode, cfg.mlflow.sample_groups))
             handle.log_artifact(trace_path, "timelines")
         result.metrics["lineage_seconds"] = time.perf_counter() - t0
+        # Written last: the step's metrics for summary.json, and the mark that it needs no rerun.
+        store.mark_complete(step, "lineage", metrics={k: float(v) for k, v in result.metrics.items()},
+                            mlflow_run_id=handle.run_id)
         policy = result.policy
         results.append(result)
         if len(results) % cfg.mlflow.plot_every_steps == 0 or step == cfg.iterations - 1:  # refresh the plots
@@ -205,14 +249,18 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
     return results
 
 
-def _summarise(cfg: GRPOConfig, lineage: Lineage, tracking_uri: str, results: list[IterationResult],
+def _summarise(cfg: GRPOConfig, lineage: Lineage, tracking_uri: str, folder: RunFolder,
                wall_s: float) -> RunSummary:
+    """The summary of every step of the run, resumed ones included, from the metrics stored with
+    each step's "lineage" mark; wall_seconds is this process's."""
+    store = folder.rollout_store()
+    metrics = [store.attrs(step)["metrics"] for step in range(cfg.iterations)]
+    last = folder.policy_store().ref(cfg.iterations)
     return RunSummary(
         run_name=cfg.run_name, mlflow_run_id=lineage.run_id, tracking_uri=tracking_uri,
-        iterations=len(results), reward_mean=[r.metrics.get("reward_mean", float("nan")) for r in results],
-        wall_seconds=wall_s, stage_seconds={s: [r.stage_seconds[s] for r in results] for s in STAGES},
-        metrics=[{"step": r.step, **r.metrics} for r in results],
-        policy_path=results[-1].policy.path if results else "")
+        iterations=len(metrics), reward_mean=[m.get("reward_mean", float("nan")) for m in metrics],
+        wall_seconds=wall_s, stage_seconds={s: [m.get(f"{s}_seconds", 0.0) for m in metrics] for s in STAGES},
+        metrics=[{"step": step, **m} for step, m in enumerate(metrics)], policy_path=last.path)
 
 
 def format_summary(summary: RunSummary) -> str:

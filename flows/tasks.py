@@ -29,7 +29,7 @@ from storage.rollouts import RolloutStore, StepRef
 from storage.run_folder import RunFolder
 
 __all__ = [
-    "TRAIN_FAULT_ENV", "worker_ready", "make_base_policy", "init_train_rank", "shutdown_train_rank", "mark_stage_complete",
+    "TRAIN_FAULT_ENV", "exit_with_parent", "worker_ready", "make_base_policy", "init_train_rank", "shutdown_train_rank", "mark_stage_complete",
     "rollout_task", "score_task", "reference_task", "advantage_task", "train_task", "publish_task",
 ]
 
@@ -42,6 +42,23 @@ _SOURCES: dict[str, PromptSource] = {}
 
 def _threads() -> None:
     torch.set_num_threads(1)
+
+
+def exit_with_parent(poll_s: float = 0.2) -> int:
+    """Make this worker process exit once the process that started it (the driver running an
+    embedded cluster) is gone: a killed driver then leaves no worker writing into the run folder
+    while a rerun starts. Returns the watched parent's pid."""
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+    return parent
 
 
 def worker_ready() -> bool:
@@ -101,9 +118,11 @@ def _faults_from_env() -> tuple[InjectedFault, ...]:
     return (InjectedFault(**{k: types[k](v) for k, v in fields.items()}),)
 
 
-def init_train_rank(cfg: GRPOConfig, rank: int, init_method: str, policy: PolicyRef) -> int:
+def init_train_rank(cfg: GRPOConfig, rank: int, init_method: str, policy: PolicyRef,
+                    reference: PolicyRef | None = None) -> int:
     """Build this worker's training rank (global rank ``rank`` of the pp x dp x tp mesh) from a policy
-    version; it stays for the whole run."""
+    version and the optimiser state saved with it; the frozen reference is ``reference`` (the run's
+    v0; default: ``policy``). It stays for the whole run."""
     _threads()
     shutdown_train_rank(cfg.run_name)
     hf_config, _, _ = load_model_folder(policy.path, names=set())
@@ -111,7 +130,14 @@ def init_train_rank(cfg: GRPOConfig, rank: int, init_method: str, policy: Policy
     setup = train_setup(cfg.train, model_cfg, cfg.num_microbatches, cfg.rollout.temperature, _faults_from_env())
     names = rank_tensor_names(model_cfg, setup.layout, setup.layout.coord(rank).pp)
     _, _, tensors = load_model_folder(policy.path, names=names)
-    _TRAIN_RANKS[cfg.run_name] = TrainRank(setup, rank, init_method, tensors)
+    ref_tensors = None
+    if reference is not None and reference.path != policy.path:
+        _, _, ref_tensors = load_model_folder(reference.path, names=names)
+    engine = TrainRank(setup, rank, init_method, tensors, reference_tensors=ref_tensors)
+    _TRAIN_RANKS[cfg.run_name] = engine
+    optim = PolicyStore(os.path.dirname(policy.path)).load_optimizer_state(policy.version, rank)
+    if optim is not None:
+        engine.load_optimizer_state(optim)
     return rank
 
 
@@ -162,8 +188,26 @@ def mark_stage_complete(ref: StepRef, stage: str, *deps, attrs: dict | None = No
     """Mark ``stage`` of the step complete (with ``attrs`` on the step group); ``deps`` are the
     tasks that wrote its outputs, so this runs only once they all have. The one place a stage is
     marked."""
-    RolloutStore(ref.root).mark_complete(ref.step, stage, **(attrs or {}))
+    # The work's measurements go with the mark, so a resumed step whose stage is skipped still
+    # reports them (flows/iteration.py); Chrome events stay in timelines/ only.
+    results = [_jsonable({k: v for k, v in d.items() if k != "events"}) for d in deps if isinstance(d, dict)]
+    RolloutStore(ref.root).mark_complete(ref.step, stage, **(attrs or {}), **{f"results_{stage}": results})
     return stage
+
+
+def _jsonable(value):
+    """Plain JSON types (numpy scalars -> float / int, tuples -> lists); floats round-trip exactly."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        return float(value)
+    return str(value)
 
 
 # -- reward -------------------------------------------------------------------------------------------
@@ -229,6 +273,8 @@ def train_task(cfg: GRPOConfig, ref: StepRef, folder: RunFolder, new_version: in
         num_bytes = folder.policy_store().save_shard(new_version, coord.pp, layout.pp, state)
     elif layout.tp > 1 and coord.dp == 0:
         engine.hf_state()  # a collective over the TP group: its other ranks take part
+    # Each rank's optimiser state goes beside the shards, before publish writes the manifest.
+    folder.policy_store().save_optimizer_state(new_version, engine.rank, engine.optimizer_state())
     return {"rank": engine.rank, "metrics": result.metrics, "window_ns": result.window_ns,
             "events": chrome_events(engine.rank, result.actions, result.window_ns, origin_ns=0),
             "shard_bytes": num_bytes, "shard_seconds": time.perf_counter() - t0}

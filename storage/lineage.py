@@ -7,6 +7,7 @@ child run that starts when the step starts and ends when it ends (:meth:`Lineage
 with the step's metrics (one batch per call: a sqlite log call costs tens of milliseconds), the
 policy versions it read and wrote, the step's Zarr group as an input dataset with the schema of
 its arrays, and a table of decoded samples.
+A resumed run continues its parent run (``run_id``).
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ class Lineage:
 
     def __init__(self, tracking_uri: str, experiment: str, run_name: str, params: dict[str, Any],
                  tags: dict[str, str] | None = None, artifact_location: str | None = None,
-                 commit: str | None = None):
+                 commit: str | None = None, run_id: str | None = None):
         self.tracking_uri = tracking_uri
         mlflow.set_tracking_uri(tracking_uri)
         self.client = MlflowClient(tracking_uri)
@@ -174,6 +175,12 @@ class Lineage:
             experiment, artifact_location=artifact_location)
         self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND_TAG, TRAINING_EXPERIMENT_KIND)
         self.params = {k: str(v)[:_MAX_PARAM_LEN] for k, v in flatten(params).items()}
+        if run_id is not None:
+            # A resumed run continues its parent run: params and config.yaml are logged already.
+            self.run_id = run_id
+            self.client.update_run(run_id, status="RUNNING")
+            self._log(run_id, tags=tags)
+            return
         all_tags = {_GIT_COMMIT_TAG: commit or git_commit(), **(tags or {})}
         parent = self.client.create_run(self.experiment_id, run_name=run_name, tags=all_tags)
         self.run_id = parent.info.run_id
@@ -197,7 +204,14 @@ class Lineage:
 
     def start_step(self, step: int, policy_version_in: int) -> StepRun:
         """Open the child run of ``step`` now (its start time is the step's); end it with
-        :meth:`StepRun.end` or use it as a context manager."""
+        :meth:`StepRun.end` or use it as a context manager. A child run of the step left by an
+        interrupted process is reopened, so a resumed run keeps one child run per step."""
+        earlier = self.client.search_runs(
+            [self.experiment_id], max_results=1,
+            filter_string=f"tags.mlflow.parentRunId = '{self.run_id}' and tags.`grpoflow.step` = '{step}'")
+        if earlier:
+            self.client.update_run(earlier[0].info.run_id, status="RUNNING")
+            return StepRun(self, step, earlier[0].info.run_id)
         child = self.client.create_run(
             self.experiment_id, run_name=f"step={step}", start_time=_now_ms(),
             tags={"mlflow.parentRunId": self.run_id, "grpoflow.step": str(step),

@@ -4,6 +4,10 @@
 writes its own shard (``model-0000i-of-0000p.safetensors``) in parallel; :func:`finalize_policy`
 then writes the shard index and the manifest with the content hash. A version without its
 manifest is incomplete and is never loaded.
+
+Beside the shards, each training rank writes its AdamW state (``optim/rank<r>.safetensors``)
+before the manifest, so a published version holds everything the next step needs: a resumed run
+continues from it exactly as an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 __all__ = ["PolicyStoreError", "PolicyRef", "PolicyStore", "load_model_folder", "load_tokenizer_json"]
+
+_OPTIM_DIR = "optim"
 
 _MANIFEST = "grpoflow.json"
 # Files of a source HF folder a version carries over, so that a tokenizer (chat template, special
@@ -68,6 +74,36 @@ class PolicyStore:
             raise PolicyStoreError(f"cannot write shard {index} of policy v{version}: {exc}") from exc
         return target.stat().st_size
 
+    def optimizer_path(self, version: int, rank: int) -> Path:
+        return self.version_path(version) / _OPTIM_DIR / f"rank{rank}.safetensors"
+
+    def save_optimizer_state(self, version: int, rank: int, tensors: dict[str, torch.Tensor]) -> int:
+        """Write training rank ``rank``'s optimiser state after the step that made ``version``;
+        returns the bytes written."""
+        target = self.optimizer_path(version, rank)
+        tmp = target.with_suffix(".tmp")
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
+            os.replace(tmp, target)
+        except Exception as exc:
+            raise PolicyStoreError(f"cannot write the optimiser state of rank {rank} of policy v{version}: {exc}") from exc
+        return target.stat().st_size
+
+    def optimizer_ranks(self, version: int) -> int:
+        """Training ranks whose optimiser state the version's manifest records (0: fresh, e.g. v0)."""
+        return int(self._manifest(version).get("optimizer_ranks", 0))
+
+    def load_optimizer_state(self, version: int, rank: int) -> dict[str, torch.Tensor] | None:
+        """Rank ``rank``'s optimiser state saved with ``version``; None when the version has none (v0)."""
+        if self.optimizer_ranks(version) == 0:
+            return None
+        path = self.optimizer_path(version, rank)
+        try:
+            return load_file(str(path))
+        except Exception as exc:
+            raise PolicyStoreError(f"policy v{version}: cannot read the optimiser state {path}: {exc}") from exc
+
     def finalize_policy(self, version: int, hf_config: dict, tokenizer_json: str, count: int,
                         extra: dict | None = None, source: str | Path | None = None) -> PolicyRef:
         """Write the index, config and tokenizer next to the shards, then the manifest (last).
@@ -92,8 +128,12 @@ class PolicyStore:
             if (Path(source) / name).exists():
                 _atomic_write_text(path / name, (Path(source) / name).read_text())
         ref = PolicyRef(str(path), version, digest.hexdigest(), total)
+        # Every training rank wrote its optimiser state before this point (the train stage's gate).
+        optim = sorted((path / _OPTIM_DIR).glob("rank*.safetensors"))
+        optim_sha = {p.stem: hashlib.sha256(p.read_bytes()).hexdigest() for p in optim}
         _atomic_write_text(path / _MANIFEST, json.dumps({"version": version, "sha256": ref.sha256,
-                                                         "num_bytes": total, **(extra or {})}))
+                                                         "num_bytes": total, "optimizer_ranks": len(optim),
+                                                         "optimizer_sha256": optim_sha, **(extra or {})}))
         return ref
 
     def save_policy(self, version: int, hf_config: dict, tokenizer_json: str,
@@ -111,11 +151,49 @@ class PolicyStore:
                     and self.is_complete(int(p.name[1:]))]
         return max(versions) if versions else None
 
-    def ref(self, version: int) -> PolicyRef:
+    def _manifest(self, version: int) -> dict:
         if not self.is_complete(version):
             raise PolicyStoreError(f"policy v{version} at {self.version_path(version)} is incomplete or missing")
-        meta = json.loads((self.version_path(version) / _MANIFEST).read_text())
+        path = self.version_path(version) / _MANIFEST
+        try:
+            meta = json.loads(path.read_text())
+            _ = meta["sha256"], meta["num_bytes"]
+        except Exception as exc:
+            raise PolicyStoreError(f"policy v{version}: unreadable manifest {path}: {exc}") from exc
+        return meta
+
+    def ref(self, version: int) -> PolicyRef:
+        meta = self._manifest(version)
         return PolicyRef(str(self.version_path(version)), version, meta["sha256"], meta["num_bytes"])
+
+    def verify(self, version: int) -> PolicyRef:
+        """The version's ref once its shards and optimiser files hash to what its manifest records;
+        raises :class:`PolicyStoreError` naming the first file that does not."""
+        meta = self._manifest(version)
+        path = self.version_path(version)
+        index = path / "model.safetensors.index.json"
+        try:
+            files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
+                     else [_shard_name(0, 1)])
+        except Exception as exc:
+            raise PolicyStoreError(f"policy v{version}: unreadable shard index {index}: {exc}") from exc
+        digest, total = hashlib.sha256(), 0
+        for name in files:
+            try:
+                data = (path / name).read_bytes()
+            except OSError as exc:
+                raise PolicyStoreError(f"policy v{version}: shard {path / name} is missing: {exc}") from exc
+            digest.update(data)
+            total += len(data)
+        if digest.hexdigest() != meta["sha256"] or total != meta["num_bytes"]:
+            raise PolicyStoreError(f"policy v{version}: the shards in {path} do not match the manifest's sha256 "
+                                   f"(changed or truncated); delete the run folder or start with --new")
+        for stem, sha in meta.get("optimizer_sha256", {}).items():
+            f = path / _OPTIM_DIR / f"{stem}.safetensors"
+            if not f.exists() or hashlib.sha256(f.read_bytes()).hexdigest() != sha:
+                raise PolicyStoreError(f"policy v{version}: optimiser state {f} is missing or does not match "
+                                       "the manifest's sha256; delete the run folder or start with --new")
+        return PolicyRef(str(path), version, meta["sha256"], meta["num_bytes"])
 
     def remove_from(self, version: int) -> None:
         """Drop versions >= ``version`` (a resumed run regenerates them)."""

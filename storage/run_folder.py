@@ -7,6 +7,7 @@
         mlflow.db             MLflow tracking store (when mlflow.tracking_uri is unset)
         mlartifacts/          MLflow artifacts
         summary.json          the run's summary
+        run.json              the config the run was started with, its hash and MLflow parent run id
     <runs_dir>/_cache/        base policies shared by runs (or $GRPOFLOW_CACHE)
 
 Nothing else in the code base spells these names; flows, the CLI, tests and the notebook ask a
@@ -87,6 +88,10 @@ class RunFolder:
     def summary(self) -> str:
         return f"{self.root}/summary.json"
 
+    @property
+    def run_state(self) -> str:
+        return f"{self.root}/run.json"
+
     def trace(self, step: int) -> str:
         return f"{self.timelines}/step_{step}.json"
 
@@ -119,6 +124,23 @@ class RunFolder:
             return json.loads(Path(self.summary).read_text())
         except Exception as exc:
             raise RunFolderError(f"cannot read {self.summary}: {exc}") from exc
+
+    def save_run_state(self, state: dict[str, Any]) -> str:
+        """Write run.json (config, config_hash, mlflow_run_id): what a resumed run compares and continues."""
+        return self._write_json(self.run_state, state, indent=1)
+
+    def load_run_state(self) -> dict[str, Any] | None:
+        """run.json, or None for a folder that never started a run."""
+        if not Path(self.run_state).exists():
+            return None
+        try:
+            return json.loads(Path(self.run_state).read_text())
+        except Exception as exc:
+            raise RunFolderError(f"cannot read {self.run_state}: {exc}; delete it or start with --new") from exc
+
+    def exists(self) -> bool:
+        """Whether a run has stored anything here."""
+        return Path(self.run_state).exists() or Path(self.rollouts).exists() or Path(self.policies).exists()
 
     def save_trace(self, step: int, events: list[dict]) -> str:
         """Write step ``step``'s Chrome trace (chrome://tracing, Perfetto); returns its path."""

@@ -106,7 +106,8 @@ class StepResult:
 
 
 class TrainRank:
-    def __init__(self, setup: TrainSetup, rank: int, init_method: str, tensors: dict[str, torch.Tensor]):
+    def __init__(self, setup: TrainSetup, rank: int, init_method: str, tensors: dict[str, torch.Tensor],
+                 reference_tensors: Optional[dict[str, torch.Tensor]] = None):
         self.setup, self.rank, self.layout = setup, rank, setup.layout
         self.groups = init_rank_groups(self.layout, rank, init_method, timedelta(seconds=setup.timeout_s),
                                        setup.model.tie_word_embeddings)
@@ -116,7 +117,9 @@ class TrainRank:
                                f"rank {rank} (pp={c.pp}, dp={c.dp}, tp={c.tp})")
         self.stage_ids = self.layout.stages_of(c.pp)
         self.modules = [self._build(s, tensors) for s in self.stage_ids]
-        self.reference = [self._build(s, tensors, frozen=True) for s in self.stage_ids]
+        # The frozen reference is the run's (policy v0), not the version a resumed run starts from.
+        ref_tensors = tensors if reference_tensors is None else reference_tensors
+        self.reference = [self._build(s, ref_tensors, frozen=True) for s in self.stage_ids]
         self.timeline, self.forward_timeline = RankTimeline(), RankTimeline()
         self._stats: list[LossStats] = []
         self.stages = [self._stage(m, s, self.timeline) for m, s in zip(self.modules, self.stage_ids)]
@@ -424,6 +427,48 @@ class TrainRank:
     def hf_state(self) -> dict[str, torch.Tensor]:
         """This rank's weights under HF names (whole tensors); a collective over TP."""
         return self._hf_tensors(grads=False)
+
+    # -- optimiser state ------------------------------------------------------------------------------
+    def _named_params(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's trainable parameters, each once, named "<module index>.<parameter name>"."""
+        seen: set[int] = set()
+        out = []
+        for j, m in enumerate(self.modules):
+            for name, p in m.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((f"{j}.{name}", p))
+        return out
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        """AdamW's per-parameter state of this rank (local TP shards): "<param>.exp_avg",
+        "<param>.exp_avg_sq", "<param>.step"; empty before the first step."""
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self._named_params():
+            for key, value in self.optimizer.state.get(p, {}).items():
+                t = value.to_local() if isinstance(value, DTensor) else value
+                out[f"{name}.{key}"] = t.detach().clone().contiguous()
+        return out
+
+    def load_optimizer_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`optimizer_state` of the same rank and layout, bit for bit."""
+        params = self._named_params()
+        expected = {f"{n}.{k}" for n, _ in params for k in ("exp_avg", "exp_avg_sq", "step")}
+        if set(state) != expected:
+            missing, extra = sorted(expected - set(state))[:3], sorted(set(state) - expected)[:3]
+            raise ValueError(f"optimiser state of rank {self.rank} does not match its parameters "
+                             f"(missing {missing}, unexpected {extra}): was it saved with another layout?")
+        for name, p in params:
+            entry = {}
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                t = state[f"{name}.{key}"].clone()
+                if key != "step" and isinstance(p, DTensor):
+                    t = DTensor.from_local(t, p.device_mesh, p.placements, run_check=False)
+                elif key != "step" and t.shape != p.shape:
+                    raise ValueError(f"optimiser state {name}.{key} of rank {self.rank} has shape "
+                                     f"{tuple(t.shape)}, the parameter {tuple(p.shape)}")
+                entry[key] = t
+            self.optimizer.state[p] = entry
 
     def close(self) -> None:
         """Leave the process group (an aborted one is left to the process's exit: a peer may still

@@ -46,10 +46,10 @@ def start_cluster(cfg: GRPOConfig) -> tuple[Client, SpecCluster | None]:
     workers: dict[str, dict] = {}
     for rank in range(cfg.train.world_size):
         res = {"train": 1}
-        if cfg.cluster.colocated and rank < cfg.rollout.num_engines:
+        if cfg.cluster.colocated_pools and rank < cfg.rollout.num_engines:
             res["rollout"] = 1
         workers[f"train-{rank}"] = _worker(res)
-    if not cfg.cluster.colocated:
+    if not cfg.cluster.colocated_pools:
         for i in range(cfg.rollout.num_engines):
             workers[f"rollout-{i}"] = _worker({"rollout": 1})
     for i in range(cfg.cluster.num_plain_workers):

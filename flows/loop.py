@@ -1,21 +1,28 @@
-"""The synchronous GRPO loop: set up the cluster and the training ranks, run the iterations,
+"""The GRPO loop: set up the cluster and the training ranks, run the iterations,
 record lineage, write the run summary.
 
 Resuming: a run folder that already holds published steps continues after the last one, from the
 policy version it published; a step left half-done is picked up after its last complete stage.
+
+rollout.max_staleness s: up to s + 1 steps are in flight; step k is submitted once step k - s - 1
+has finished and generates from version max(0, k - s) (flows/async_schedule.py). Steps finish, and
+are logged, in order. s = 0 submits each step after the previous one finished: the synchronous loop.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from flows import tasks
 from flows.cluster import Pools, check_pools, start_cluster
-from flows.iteration import STAGES, IterationResult, run_iteration
+from flows.async_schedule import behaviour_version, released_by, trainer_version
+from flows.iteration import STAGES, IterationResult, PendingIteration, finish_iteration, submit_iteration
 from flows.schema import GRPOConfig, config_hash, config_to_dict
 from stages.train.rendezvous import free_port
 from storage.lineage import Lineage
@@ -136,18 +143,23 @@ def run(cfg: GRPOConfig, progress: bool = True) -> RunSummary:
 
 def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: PolicyRef, first_step: int,
           lineage: Lineage, progress: bool) -> list[IterationResult]:
-    results = []
+    results: list[IterationResult] = []
     store = folder.rollout_store()
+    s = cfg.rollout.max_staleness
+    published = {policy.version: policy}  # versions the rule may still ask for
+    in_flight: deque[PendingIteration] = deque()
     outer = tqdm(range(first_step, cfg.iterations), desc="iterations", disable=not progress, unit="it")
-    for step in outer:
-        bar = tqdm(total=len(STAGES), desc=f"step {step}", leave=False, disable=not progress, unit="stage")
+
+    def finish_oldest() -> None:
+        pending = in_flight.popleft()
+        step = pending.step
+        bar = tqdm(total=len(pending.names), desc=f"step {step}", leave=False, disable=not progress, unit="stage")
 
         def advance(stage: str) -> None:
             bar.set_postfix_str(stage)
             bar.update(1)
 
-        result = run_iteration(client, cfg, pools, folder, step, policy, on_stage=advance,
-                               timeout_s=cfg.cluster.iteration_timeout_s)
+        result = finish_iteration(pending, on_stage=advance, timeout_s=cfg.cluster.iteration_timeout_s)
         bar.close()
         if "train" in result.skipped:
             # The shards came from an earlier process; the ranks still hold the step's input
@@ -155,15 +167,61 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
             _init_ranks(client, cfg, pools, result.policy)
         t0 = time.perf_counter()
         result.metrics["publish_seconds_total"] = result.stage_seconds["publish"]
+        # Staleness of the consumed rows: trainer version minus each row's behaviour version.
+        lag = trainer_version(step) - store.read(step, "policy_version")["policy_version"].astype(np.int64)
+        result.metrics["staleness_mean"], result.metrics["staleness_max"] = float(lag.mean()), float(lag.max())
         trace_path = folder.save_trace(step, result.trace_events)
         cid = lineage.log_iteration(step, result.metrics, store.ref(step).path, store.digest(step),
                                     result.policy.path, result.policy.sha256, result.policy.version)
         lineage.log_artifact(cid, trace_path, "timelines")
         result.metrics["lineage_seconds"] = time.perf_counter() - t0
-        policy = result.policy
+        published[result.policy.version] = result.policy
         results.append(result)
+        outer.update(1)
         outer.set_postfix(reward=f"{result.metrics.get('reward_mean', float('nan')):.3f}")
+
+    for step in range(first_step, cfg.iterations):
+        # Step k waits for step k - s - 1, which publishes the version k asks for.
+        release = released_by(step, s)
+        while in_flight and release is not None and in_flight[0].step <= release:
+            finish_oldest()
+        version = behaviour_version(step, s)
+        # A resumed run's first steps may ask for versions published by the earlier process.
+        behaviour = published.get(version) or folder.policy_store().ref(version)
+        prev_train = in_flight[-1].train_gate if in_flight else ()
+        in_flight.append(submit_iteration(client, cfg, pools, folder, step, behaviour, prev_train))
+    while in_flight:
+        finish_oldest()
+    outer.close()
+    _add_idle(results)
     return results
+
+
+def _idle_seconds(busy: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Seconds of [lo, hi] covered by none of the ``busy`` (start, end) intervals."""
+    covered, cursor = 0.0, lo
+    for a, b in sorted((max(a, lo), min(b, hi)) for a, b in busy if b > lo and a < hi):
+        if b > cursor:
+            covered += b - max(a, cursor)
+            cursor = b
+    return max(0.0, (hi - lo) - covered)
+
+
+def _add_idle(results: list[IterationResult]) -> None:
+    """Idle seconds of the rollout pool and of the training ranks per step: each step's window
+    runs from the previous step's last training-rank task end to its own (the run's first window
+    from its first task), measured from every step's task timestamps once all have run."""
+    busy = {pool: [(a, b) for r in results for p, a, b in r.busy if p == pool] for pool in ("rollout", "train")}
+    ends = [max((b for p, _, b in r.busy if p == "train"), default=float("nan")) for r in results]
+    starts = [a for pool in busy.values() for a, _ in pool]
+    lo = min(starts) if starts else 0.0
+    for r, hi in zip(results, ends):
+        if hi != hi:  # no training task ran (stages found complete)
+            continue
+        for pool in ("rollout", "train"):
+            r.metrics[f"{pool}_idle_seconds"] = _idle_seconds(busy[pool], lo, hi)
+        r.metrics["step_window_seconds"] = hi - lo
+        lo = hi
 
 
 def _summarise(cfg: GRPOConfig, lineage: Lineage, tracking_uri: str, results: list[IterationResult],
@@ -171,9 +229,15 @@ def _summarise(cfg: GRPOConfig, lineage: Lineage, tracking_uri: str, results: li
     return RunSummary(
         run_name=cfg.run_name, mlflow_run_id=lineage.run_id, tracking_uri=tracking_uri,
         iterations=len(results), reward_mean=[r.metrics.get("reward_mean", float("nan")) for r in results],
-        wall_seconds=wall_s, stage_seconds={s: [r.stage_seconds[s] for r in results] for s in STAGES},
+        wall_seconds=wall_s, stage_seconds={s: [r.stage_seconds.get(s, 0.0) for r in results]
+                                            for s in _stage_names(results)},
         metrics=[{"step": r.step, **r.metrics} for r in results],
         policy_path=results[-1].policy.path if results else "")
+
+
+def _stage_names(results: list[IterationResult]) -> tuple[str, ...]:
+    names = results[0].stage_seconds if results else {}
+    return STAGES + tuple(s for s in names if s not in STAGES)
 
 
 def format_summary(summary: RunSummary) -> str:
@@ -187,7 +251,7 @@ def format_summary(summary: RunSummary) -> str:
         lines.append(f"{m['step']:>4} {m.get('reward_mean', float('nan')):>7.3f} {m.get('loss', 0):>8.4f} "
                      f"{m.get('kl', 0):>7.4f} {m.get('clip_fraction', 0):>6.3f} {m.get('bubble_fraction', 0):>6.3f} "
                      + " ".join(f"{m[f'{s}_seconds']:>7.2f}" for s in STAGES))
-    totals = " ".join(f"{sum(v):>7.2f}" for v in summary.stage_seconds.values())
+    totals = " ".join(f"{sum(summary.stage_seconds.get(s, [0.0])):>7.2f}" for s in STAGES)
     lines.append(f"{'all':>4} {'':>7} {'':>8} {'':>7} {'':>6} {'':>6} {totals}")
     if summary.reward_mean:
         first, last, w = summary.reward_gain()

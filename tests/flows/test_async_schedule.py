@@ -90,3 +90,27 @@ def test_schema_stays_torch_free():
     code = "import sys, flows.schema, flows.async_schedule; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.builds(StepDurations, *[st.integers(0, 20).map(float)] * 7), st.integers(0, 3))
+def test_planner_closed_form_matches_the_event_model(d, s):
+    from planner.async_steptime import StageSeconds, async_step_seconds
+
+    ev = simulate([d] * 72, s)
+    m = 12  # a multiple of every period 1 .. s + 1 the steady state can have
+    measured = (ev[-1].finished - ev[-1 - m].finished) / m
+    t = StageSeconds(rollout=d.rollout, reward=d.reward, reference=d.reference, advantage=d.advantage,
+                     train=d.train, publish=d.publish, proximal=d.proximal)
+    assert async_step_seconds(t, s) == pytest.approx(measured, abs=1e-9)
+
+
+def test_planner_by_hand():
+    from planner.async_steptime import StageSeconds, async_step_seconds, sync_step_seconds
+
+    # rollout 4, reward + advantage 1, reference 1 (proximal too), train 3, publish 0.5, loop 0.5:
+    # sync 4 + 1 + 3 + 0.5 + 0.5 = 9; s = 1: max(4, 1 + 1 + 3 = 5, (4 + 2 + 3 + 1) / 2 = 5) = 5.
+    t = StageSeconds(rollout=4, reward=0.5, reference=1, advantage=0.5, train=3, publish=0.5, loop=0.5)
+    assert sync_step_seconds(t) == 9 and async_step_seconds(t, 0) == 9
+    assert async_step_seconds(t, 1) == 5 and async_step_seconds(t, 2) == 5
+    assert async_step_seconds(t, 1, colocated=True) == 4 + 1 + 1 + 3

@@ -190,6 +190,11 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
         behaviour = published.get(version) or folder.policy_store().ref(version)
         prev_train = in_flight[-1].train_gate if in_flight else ()
         in_flight.append(submit_iteration(client, cfg, pools, folder, step, behaviour, prev_train))
+        if in_flight[-1].stages["train"].gate is None:
+            # Train found complete (a resumed run): the ranks restart from its version when the step
+            # finishes, so no later step's training-rank task may be queued before that.
+            while in_flight:
+                finish_oldest()
     while in_flight:
         finish_oldest()
     outer.close()

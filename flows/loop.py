@@ -124,7 +124,7 @@ def run(cfg: GRPOConfig, progress: bool = True) -> RunSummary:
         results = _loop(client, cfg, pools, folder, policy, first_step, lineage, progress)
         summary = _summarise(cfg, lineage, uri, results, time.perf_counter() - start)
         summary_path = folder.save_summary(summary.to_json())
-        lineage.log_summary({"wall_seconds": summary.wall_seconds}, [summary_path])
+        lineage.log_summary({"wall_seconds": summary.wall_seconds, **_idle_fractions(results)}, [summary_path])
         lineage.finish()
         return summary
     except BaseException:
@@ -210,6 +210,16 @@ def _idle_seconds(busy: list[tuple[float, float]], lo: float, hi: float) -> floa
             covered += b - max(a, cursor)
             cursor = b
     return max(0.0, (hi - lo) - covered)
+
+
+def _idle_fractions(results: list[IterationResult]) -> dict[str, float]:
+    """Idle seconds of each pool over the run's step windows, as fractions (the per-step idle
+    seconds reach the step metrics and summary.json only: they are known once every step has run)."""
+    window = sum(r.metrics.get("step_window_seconds", 0.0) for r in results)
+    if window <= 0:
+        return {}
+    return {f"{pool}_idle_fraction": sum(r.metrics.get(f"{pool}_idle_seconds", 0.0) for r in results) / window
+            for pool in ("rollout", "train")}
 
 
 def _add_idle(results: list[IterationResult]) -> None:

@@ -14,7 +14,7 @@ prediction (planner/async_steptime.py) takes the decoupled sync run's median sta
 predicts every other run's step time; it is printed beside the measurement. A PNG of reward against
 wall-clock seconds is written to docs/async_reward_vs_time.png.
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/async.py [--iterations 14] [--max-new-tokens 6]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/async.py [--iterations 14] [--prompts 64] [--runs-dir DIR]
 """
 
 from __future__ import annotations
@@ -54,8 +54,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=6)
     ap.add_argument("--out", default="docs/async_reward_vs_time.png")
     ap.add_argument("--json", default="")
+    ap.add_argument("--runs-dir", default="", help="reuse this folder's base-policy cache (default: a temp folder)")
     args = ap.parse_args()
-    runs_dir = tempfile.mkdtemp(prefix="async-bench-")
+    runs_dir = args.runs_dir or tempfile.mkdtemp(prefix="async-bench-")
     rows = []
     for label, placement, s, threads in _RUNS:
         cfg = _config(runs_dir, label.replace(" ", "-").replace("=", ""), placement, s, threads, args)

@@ -27,6 +27,9 @@ class ClusterError(RuntimeError):
 class Pools:
     train: tuple[str, ...]  # worker addresses, index = global training rank (stages/train/layout.py)
     rollout: tuple[str, ...]
+    plain: tuple[str, ...] = ()
+    """Workers with neither resource: gates, reward, advantage and publish run there when there are
+    any, so with several steps in flight they never queue behind a long train or rollout task."""
 
     @property
     def train_host(self) -> str:
@@ -88,4 +91,5 @@ def check_pools(client: Client, cfg: GRPOConfig, wait_s: float = 60.0) -> Pools:
             "start workers with --resources train=1")
     if not rollout:
         raise ClusterError("no worker offers the 'rollout' resource: start one with --resources rollout=1")
-    return Pools(tuple(train[:world]), tuple(rollout[: cfg.rollout.num_engines]))
+    plain = sorted(a for a, w in workers.items() if not {"train", "rollout"} & set(w.get("resources", {})))
+    return Pools(tuple(train[:world]), tuple(rollout[: cfg.rollout.num_engines]), tuple(plain))

@@ -110,12 +110,15 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
     world = len(pools.train)  # training ranks: one reference and one train task each
     train_pin = [dict(workers=[pools.train[r]], resources={"train": 1}, pure=False) for r in range(world)]
     new_version = ref.step + 1  # the trainer holds version ref.step (flows/async_schedule.py)
+    # With steps in flight, short tasks go to plain workers so they never queue behind a train or
+    # rollout task of another step; synchronous, any free worker takes them.
+    io = dict(workers=list(pools.plain)) if pools.plain and cfg.rollout.max_staleness >= 1 else {}
     stages: dict[str, StageFutures] = {}
 
     def add(stage: str, work: list[Future], **attrs) -> tuple[Future, ...]:
         """Record the stage with a gate that marks it complete once all ``work`` has written."""
         gate = client.submit(tasks.mark_stage_complete, ref, stage, *work, attrs=attrs,
-                             key=f"{stage}-done-{ref.step}-{tok}")
+                             key=f"{stage}-done-{ref.step}-{tok}", **io)
         stages[stage] = StageFutures(stage, tuple(work), gate)
         return stages[stage].deps
 
@@ -138,7 +141,7 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
         reward = skip("reward")
     else:
         reward = add("reward", [client.submit(tasks.score_task, cfg, ref, policy.path, lo * G, hi * G, *rollout,
-                                              key=f"score-{ref.step}-{i}-{tok}")
+                                              key=f"score-{ref.step}-{i}-{tok}", **io)
                                 for i, (lo, hi) in enumerate(_ranges(layout.num_prompts, gpc, cfg.reward.num_tasks))])
 
     if "reference" in done:
@@ -161,7 +164,7 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
         advantage = skip("advantage")
     else:
         advantage = add("advantage", [client.submit(tasks.advantage_task, cfg, ref, *reward,
-                                                    key=f"advantage-{ref.step}-{tok}")])
+                                                    key=f"advantage-{ref.step}-{tok}", **io)])
 
     if "train" in done:  # every rank's shard of the new version is on disk already
         train = skip("train")
@@ -172,7 +175,8 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
 
     # Publish always runs: it is idempotent, and a step whose publish is complete is not rerun.
     add("publish", [client.submit(tasks.publish_task, folder, new_version, policy, ref.step,
-                                  cfg.train.pipeline_model_parallel_size, *train, key=f"publish-{ref.step}-{tok}")],
+                                  cfg.train.pipeline_model_parallel_size, *train, key=f"publish-{ref.step}-{tok}",
+                                  **io)],
         next_policy_version=new_version)
     return stages
 

@@ -29,6 +29,9 @@ class ClusterError(RuntimeError):
 class Pools:
     train: tuple[str, ...]  # worker addresses, index = global training rank (stages/train/layout.py)
     rollout: tuple[str, ...]
+    plain: tuple[str, ...] = ()
+    """Workers with neither resource: gates, reward, advantage and publish run there when there are
+    any, so with several steps in flight they never queue behind a long train or rollout task."""
 
     @property
     def train_host(self) -> str:
@@ -50,10 +53,10 @@ def start_cluster(cfg: GRPOConfig) -> tuple[Client, SpecCluster | None]:
     workers: dict[str, dict] = {}
     for rank in range(cfg.train.world_size):
         res = {"train": 1}
-        if cfg.cluster.colocated and rank < cfg.rollout.num_engines:
+        if cfg.cluster.colocated_pools and rank < cfg.rollout.num_engines:
             res["rollout"] = 1
         workers[f"train-{rank}"] = _worker(res)
-    if not cfg.cluster.colocated:
+    if not cfg.cluster.colocated_pools:
         for i in range(cfg.rollout.num_engines):
             workers[f"rollout-{i}"] = _worker({"rollout": 1})
     for i in range(cfg.cluster.num_plain_workers):
@@ -111,4 +114,5 @@ def check_pools(client: Client, cfg: GRPOConfig, wait_s: float = 60.0) -> Pools:
             "start workers with --resources train=1")
     if not rollout:
         raise ClusterError("no worker offers the 'rollout' resource: start one with --resources rollout=1")
-    return Pools(tuple(train[:world]), tuple(rollout[: cfg.rollout.num_engines]))
+    plain = sorted(a for a, w in workers.items() if not {"train", "rollout"} & set(w.get("resources", {})))
+    return Pools(tuple(train[:world]), tuple(rollout[: cfg.rollout.num_engines]), tuple(plain))

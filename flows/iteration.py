@@ -1,7 +1,7 @@
 """One GRPO iteration as a Dask graph.
 
-    prompts(step) ─► rollout ─► reward ──────────┐
-                            └─► reference ───────┴─► advantage ─► train ─► publish(policy v+1)
+    prompts(step) ─► rollout ─► reward ──────────────────────────┐
+                            └─► reference ─► (proximal) ─────────┴─► advantage ─► train ─► publish(policy v+1)
 
 Edges carry small refs (StepRef, PolicyRef), never tensors: every stage reads its inputs from
 the step's Zarr group and writes its outputs there. A stage already marked complete in the store
@@ -11,6 +11,12 @@ Each stage is a :class:`StageFutures`: its tasks (``work``, whose results are th
 measurements) and the one task that marks the stage complete once they have all written
 (``gate``); downstream stages wait on the gate. The work itself is in flows/tasks.py (thin
 load -> stage -> save functions) and stages/.
+
+With rollout.max_staleness s >= 1 several steps are in flight (flows/async_schedule.py): step k
+generates from the policy version the rule names, a ``proximal`` stage scores the step's tokens
+under the trainer's current weights, and the training-rank tasks of step k wait on step k-1's train
+(``prev_train``), so every rank runs the collectives of consecutive steps in the same order.
+:func:`submit_iteration` builds one step's graph; :func:`finish_iteration` waits for it.
 """
 
 from __future__ import annotations
@@ -29,12 +35,20 @@ from storage.policies import PolicyRef
 from storage.rollouts import StepLayout, StepRef
 from storage.run_folder import RunFolder
 
-__all__ = ["STAGES", "IterationError", "IterationResult", "StageFutures", "run_iteration", "step_layout"]
+__all__ = ["STAGES", "IterationError", "IterationResult", "PendingIteration", "StageFutures", "run_iteration",
+           "submit_iteration", "finish_iteration", "step_layout", "step_stages"]
 
 STAGES = ("rollout", "reward", "reference", "advantage", "train", "publish")
 # What each stage waits for; a stage's seconds are measured from the last of these finishing.
-_AFTER = {"rollout": (), "reward": ("rollout",), "reference": ("rollout",),
-          "advantage": ("reward",), "train": ("advantage", "reference"), "publish": ("train",)}
+_AFTER = {"rollout": (), "reward": ("rollout",), "reference": ("rollout",), "proximal": ("reference",),
+          "advantage": ("reward",), "train": ("advantage", "reference", "proximal"), "publish": ("train",)}
+
+
+def step_stages(cfg: GRPOConfig) -> tuple[str, ...]:
+    """The stages of every step: :data:`STAGES`, plus ``proximal`` when rollout.max_staleness >= 1."""
+    if cfg.rollout.max_staleness >= 1:
+        return STAGES[:3] + ("proximal",) + STAGES[3:]
+    return STAGES
 
 
 class IterationError(RuntimeError):
@@ -50,6 +64,8 @@ class IterationResult:
     trace_events: list[dict] = field(default_factory=list)
     skipped: frozenset[str] = frozenset()
     """Stages found complete in the store and not run again."""
+    busy: list[tuple[str, float, float]] = field(default_factory=list)
+    """(pool, start, end) wall-clock seconds (time.time) of the step's rollout and training-rank tasks."""
 
 
 @dataclass(frozen=True)
@@ -86,20 +102,23 @@ def _ranges(num_groups: int, groups_per_chunk: int, parts: int) -> list[tuple[in
 
 
 def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, ref: StepRef,
-            policy: PolicyRef, done: set[str]) -> dict[str, StageFutures]:
+            policy: PolicyRef, done: set[str], prev_train: tuple[Future, ...] = ()) -> dict[str, StageFutures]:
     G = cfg.rollout.group_size
     layout = step_layout(cfg)
     gpc = layout.chunk_samples // G
     tok = tokenize(ref, policy.sha256, config_hash(cfg))
     world = len(pools.train)  # training ranks: one reference and one train task each
     train_pin = [dict(workers=[pools.train[r]], resources={"train": 1}, pure=False) for r in range(world)]
-    new_version = policy.version + 1
+    new_version = ref.step + 1  # the trainer holds version ref.step (flows/async_schedule.py)
+    # With steps in flight, short tasks go to plain workers so they never queue behind a train or
+    # rollout task of another step; synchronous, any free worker takes them.
+    io = dict(workers=list(pools.plain)) if pools.plain and cfg.rollout.max_staleness >= 1 else {}
     stages: dict[str, StageFutures] = {}
 
     def add(stage: str, work: list[Future], **attrs) -> tuple[Future, ...]:
         """Record the stage with a gate that marks it complete once all ``work`` has written."""
         gate = client.submit(tasks.mark_stage_complete, ref, stage, *work, attrs=attrs,
-                             key=f"{stage}-done-{ref.step}-{tok}")
+                             key=f"{stage}-done-{ref.step}-{tok}", **io)
         stages[stage] = StageFutures(stage, tuple(work), gate)
         return stages[stage].deps
 
@@ -122,54 +141,94 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
         reward = skip("reward")
     else:
         reward = add("reward", [client.submit(tasks.score_task, cfg, ref, policy.path, lo * G, hi * G, *rollout,
-                                              key=f"score-{ref.step}-{i}-{tok}")
+                                              key=f"score-{ref.step}-{i}-{tok}", **io)
                                 for i, (lo, hi) in enumerate(_ranges(layout.num_prompts, gpc, cfg.reward.num_tasks))])
 
     if "reference" in done:
         reference = skip("reference")
     else:
-        reference = add("reference", [client.submit(tasks.reference_task, cfg, ref, *rollout,
+        reference = add("reference", [client.submit(tasks.reference_task, cfg, ref, *rollout, *prev_train,
                                                     key=f"reference-{ref.step}-{r}-{tok}", **train_pin[r])
                                       for r in range(world)])
+
+    proximal: tuple[Future, ...] = ()
+    if cfg.rollout.max_staleness >= 1:
+        if "proximal" in done:
+            proximal = skip("proximal")
+        else:  # the trainer's current weights: after the previous step's train, before this one's
+            proximal = add("proximal", [client.submit(tasks.proximal_task, cfg, ref, *rollout, *reference,
+                                                      *prev_train, key=f"proximal-{ref.step}-{r}-{tok}",
+                                                      **train_pin[r]) for r in range(world)])
 
     if "advantage" in done:
         advantage = skip("advantage")
     else:
         advantage = add("advantage", [client.submit(tasks.advantage_task, cfg, ref, *reward,
-                                                    key=f"advantage-{ref.step}-{tok}")])
+                                                    key=f"advantage-{ref.step}-{tok}", **io)])
 
     if "train" in done:  # every rank's shard of the new version is on disk already
         train = skip("train")
     else:
         train = add("train", [client.submit(tasks.train_task, cfg, ref, folder, new_version, *advantage, *reference,
-                                            key=f"train-{ref.step}-{r}-{tok}", **train_pin[r]) for r in range(world)])
+                                            *proximal, *prev_train, key=f"train-{ref.step}-{r}-{tok}", **train_pin[r])
+                              for r in range(world)], trainer_version=ref.step)
 
     # Publish always runs: it is idempotent, and a step whose publish is complete is not rerun.
     add("publish", [client.submit(tasks.publish_task, folder, new_version, policy, ref.step,
-                                  cfg.train.pipeline_model_parallel_size, *train, key=f"publish-{ref.step}-{tok}")],
+                                  cfg.train.pipeline_model_parallel_size, *train, key=f"publish-{ref.step}-{tok}",
+                                  **io)],
         next_policy_version=new_version)
     return stages
 
 
-def run_iteration(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, step: int,
-                  policy: PolicyRef, on_stage: Callable[[str], None] = lambda stage: None,
-                  timeout_s: float = 900.0) -> IterationResult:
-    """Run step ``step`` from ``policy``; returns the new policy version and the step's metrics."""
+@dataclass
+class PendingIteration:
+    """One submitted step: its stage futures, the completion time of each future (recorded by a done
+    callback, so it does not depend on when the loop looks), and the submission time."""
+
+    step: int
+    stages: dict[str, StageFutures]
+    names: tuple[str, ...]
+    start: float
+    done_at: dict[str, float]
+
+    @property
+    def train_gate(self) -> tuple[Future, ...]:
+        """What the next step's training-rank tasks wait on."""
+        return self.stages["train"].deps
+
+
+def submit_iteration(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, step: int,
+                     policy: PolicyRef, prev_train: tuple[Future, ...] = ()) -> PendingIteration:
+    """Submit step ``step``'s graph, generating from ``policy`` (the version the rule names);
+    ``prev_train``: the previous step's train gate while that step is still in flight."""
     store = folder.rollout_store()
     done = store.completed(step)
-    if "rollout" not in done:  # a partial rollout is regenerated whole
+    if "rollout" not in done or store.attrs(step).get("policy_version") != policy.version:
+        # A partial rollout, or one from another version, is regenerated whole.
         store.create_step(step, step_layout(cfg), policy.version, config_hash(cfg))
         done = set()
     ref = store.ref(step)
     start = time.perf_counter()
-    stages = _submit(client, cfg, pools, folder, ref, policy, done)
+    stages = _submit(client, cfg, pools, folder, ref, policy, done, prev_train)
+    done_at: dict[str, float] = {}
+    for s in stages.values():
+        for f in s.futures:
+            f.add_done_callback(lambda fut: done_at.setdefault(fut.key, time.perf_counter()))
+    return PendingIteration(step, stages, step_stages(cfg), start, done_at)
+
+
+def finish_iteration(pending: PendingIteration, on_stage: Callable[[str], None] = lambda stage: None,
+                     timeout_s: float = 900.0) -> IterationResult:
+    """Wait for a submitted step; returns its new policy version and metrics."""
+    step, stages, start = pending.step, pending.stages, pending.start
     stage_of = {f.key: s.stage for s in stages.values() for f in s.futures}
     work_keys = {f.key for s in stages.values() for f in s.work}
-    pending = {stage: len(stages[stage].futures) for stage in STAGES}
-    finished_at = {stage: start for stage, n in pending.items() if n == 0}
+    pending_n = {stage: len(stages[stage].futures) for stage in pending.names}
+    finished_at = {stage: start for stage, n in pending_n.items() if n == 0}
     for stage in finished_at:
         on_stage(stage)
-    results: dict[str, list] = {stage: [] for stage in STAGES}
+    results: dict[str, list] = {stage: [] for stage in pending.names}
     try:
         for future, value in as_completed([f for s in stages.values() for f in s.futures], with_results=True,
                                           raise_errors=False, timeout=timeout_s):
@@ -179,12 +238,13 @@ def run_iteration(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFold
                 raise IterationError(f"step {step}: stage {stage} failed: {type(exc).__name__}: {exc}") from exc
             if future.key in work_keys:
                 results[stage].append(value)
-            pending[stage] -= 1
-            if pending[stage] == 0:
-                finished_at[stage] = time.perf_counter()
+            pending_n[stage] -= 1
+            if pending_n[stage] == 0:
+                finished_at[stage] = max(pending.done_at.get(f.key, time.perf_counter())
+                                         for f in stages[stage].futures)
                 on_stage(stage)
     except TimeoutError as exc:
-        late = [s for s, n in pending.items() if n]
+        late = [s for s, n in pending_n.items() if n]
         raise IterationError(f"step {step}: stages {', '.join(late)} did not finish within {timeout_s:.0f} s") from exc
     finally:
         for s in stages.values():
@@ -192,13 +252,26 @@ def run_iteration(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFold
                 if f.status == "pending":
                     f.cancel()
 
-    stage_seconds = {s: finished_at[s] - max((finished_at[d] for d in _AFTER[s]), default=start) for s in STAGES}
+    stage_seconds = {s: finished_at[s] - max((finished_at[d] for d in _AFTER[s] if d in finished_at), default=start)
+                     for s in pending.names}
     skipped = frozenset(s.stage for s in stages.values() if s.gate is None)
     if skipped:  # a resumed step: the skipped stages' measurements were stored with their marks
         attrs = store.attrs(step)
         for s in skipped:
             results[s] = [{"events": [], **r} if s == "train" else r for r in attrs.get(f"results_{s}", [])]
     return _collect(step, results, stage_seconds, skipped)
+
+
+def run_iteration(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, step: int,
+                  policy: PolicyRef, on_stage: Callable[[str], None] = lambda stage: None,
+                  timeout_s: float = 900.0) -> IterationResult:
+    """Run step ``step`` from ``policy``; returns the new policy version and the step's metrics."""
+    return finish_iteration(submit_iteration(client, cfg, pools, folder, step, policy), on_stage, timeout_s)
+
+
+# LossStats.metrics (stages/train/loss.py) that reach the step's metrics.
+_LOSS_METRICS = ("loss", "kl", "clip_fraction", "clip_fraction_low", "clip_fraction_high", "dual_clip_fraction",
+                 "kl_behav", "is_weight_mean", "is_weight_max", "is_truncated_fraction", "is_masked_fraction")
 
 
 def _collect(step: int, values: dict[str, list], stage_seconds: dict[str, float],
@@ -224,7 +297,7 @@ def _collect(step: int, values: dict[str, list], stage_seconds: dict[str, float]
         # Loss metrics come from ranks holding the last stage (reduced over DP there): with a
         # V-shaped schedule that is pipeline rank 0, not the highest rank.
         loss_rank = next((r["metrics"] for r in trains if "loss" in r["metrics"]), {})
-        m.update({k: loss_rank[k] for k in ("loss", "kl", "clip_fraction") if k in loss_rank})
+        m.update({k: loss_rank[k] for k in _LOSS_METRICS if k in loss_rank})
         m["grad_norm"] = trains[0]["metrics"].get("grad_norm", float("nan"))
         for r in trains:  # activation stash per stage (identical across DP / TP copies)
             m.update({k: v for k, v in r["metrics"].items() if k.startswith(("activation_bytes", "peak_inflight"))})
@@ -237,4 +310,7 @@ def _collect(step: int, values: dict[str, list], stage_seconds: dict[str, float]
             if "ts" in e:
                 e["ts"] -= origin
     m.update({f"{s}_seconds": v for s, v in stage_seconds.items()})
-    return IterationResult(step, values["publish"][0], m, stage_seconds, events, skipped)
+    busy = [("rollout", r["task_start"], r["task_end"]) for r in values["rollout"]]
+    busy += [("train", r["task_start"], r["task_end"]) for s in ("reference", "proximal", "train")
+             for r in values.get(s, [])]
+    return IterationResult(step, values["publish"][0], m, stage_seconds, events, skipped, busy)

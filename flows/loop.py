@@ -1,4 +1,4 @@
-"""The synchronous GRPO loop: set up the cluster and the training ranks, run the iterations,
+"""The GRPO loop: set up the cluster and the training ranks, run the iterations,
 record lineage, write the run summary.
 
 Resuming: a run folder that already holds published steps continues after the last one, from the
@@ -6,6 +6,10 @@ policy version it published and the optimiser state saved with it, against the r
 (policy v0), in the same MLflow parent run; a step left half-done is picked up after its last
 complete stage. A folder started with another config is refused (flows/preflight.py), and
 ``new=True`` starts over in a fresh folder instead (docs/reliability.md).
+
+rollout.max_staleness s: up to s + 1 steps are in flight; step k is submitted once step k - s - 1
+has finished and generates from version max(0, k - s) (flows/async_schedule.py). Steps finish, and
+are logged, in order. s = 0 submits each step after the previous one finished: the synchronous loop.
 """
 
 from __future__ import annotations
@@ -13,19 +17,22 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from flows import tasks
+from flows.async_schedule import behaviour_version, released_by, trainer_version
 from flows.cluster import Pools, check_pools, dashboard_link, start_cluster
-from flows.iteration import STAGES, IterationResult, run_iteration
+from flows.iteration import STAGES, IterationResult, PendingIteration, finish_iteration, submit_iteration
 from flows.preflight import preflight
 from flows.schema import GRPOConfig, config_hash, config_to_dict
 from stages.policy.tokenizer import TextCodec
 from stages.train.rendezvous import free_port
-from storage.lineage import Lineage
+from storage.lineage import Lineage, StepRun
 from storage.plots import save_run_plots
 from storage.policies import PolicyRef
 from storage.run_folder import RunFolder
@@ -34,6 +41,7 @@ from storage.samples import load_sample_table, step_array_specs
 __all__ = ["RunSummary", "run", "run_folder", "tracking_uri", "format_summary", "remaining_steps", "fresh_run"]
 
 log = logging.getLogger(__name__)
+_EXTRA_STAGES = ("proximal",)  # stages only some runs have (rollout.max_staleness >= 1)
 
 
 @dataclass
@@ -182,10 +190,10 @@ def run(cfg: GRPOConfig, progress: bool = True) -> RunSummary:
         log.info("starting %d training ranks from policy v%d; %d iterations from step %d",
                  len(pools.train), policy.version, cfg.iterations - first_step, first_step)
         _init_ranks(client, cfg, pools, policy)
-        _loop(client, cfg, pools, folder, policy, first_step, lineage, progress)
-        summary = _summarise(cfg, lineage, uri, folder, time.perf_counter() - start)
+        results = _loop(client, cfg, pools, folder, policy, first_step, lineage, progress)
+        summary = _summarise(cfg, lineage, uri, folder, results, time.perf_counter() - start)
         summary_path = folder.save_summary(summary.to_json())
-        lineage.log_summary({"wall_seconds": summary.wall_seconds}, [summary_path])
+        lineage.log_summary({"wall_seconds": summary.wall_seconds, **_idle_fractions(results)}, [summary_path])
         lineage.finish()
         return summary
     except BaseException:
@@ -204,20 +212,26 @@ def run(cfg: GRPOConfig, progress: bool = True) -> RunSummary:
 
 def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: PolicyRef, first_step: int,
           lineage: Lineage, progress: bool) -> list[IterationResult]:
-    results = []
+    results: list[IterationResult] = []
     store = folder.rollout_store()
+    s = cfg.rollout.max_staleness
+    published = {policy.version: policy}  # versions the rule may still ask for
+    in_flight: deque[PendingIteration] = deque()
+    handles: dict[int, StepRun] = {}
     outer = tqdm(range(first_step, cfg.iterations), desc="iterations", disable=not progress, unit="it")
-    for step in outer:
-        bar = tqdm(total=len(STAGES), desc=f"step {step}", leave=False, disable=not progress, unit="stage")
+
+    def finish_oldest() -> None:
+        pending = in_flight.popleft()
+        step = pending.step
+        bar = tqdm(total=len(pending.names), desc=f"step {step}", leave=False, disable=not progress, unit="stage")
 
         def advance(stage: str) -> None:
             bar.set_postfix_str(stage)
             bar.update(1)
 
-        handle = lineage.start_step(step, policy.version)  # the child run spans the step
+        handle = handles.pop(step)
         try:
-            result = run_iteration(client, cfg, pools, folder, step, policy, on_stage=advance,
-                                   timeout_s=cfg.cluster.iteration_timeout_s)
+            result = finish_iteration(pending, on_stage=advance, timeout_s=cfg.cluster.iteration_timeout_s)
         except BaseException:
             handle.end("FAILED")
             raise
@@ -228,38 +242,104 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
             _init_ranks(client, cfg, pools, result.policy)
         t0 = time.perf_counter()
         result.metrics["publish_seconds_total"] = result.stage_seconds["publish"]
+        # Staleness of the consumed rows: trainer version minus each row's behaviour version.
+        lag = trainer_version(step) - store.read(step, "policy_version")["policy_version"].astype(np.int64)
+        result.metrics["staleness_mean"], result.metrics["staleness_max"] = float(lag.mean()), float(lag.max())
         trace_path = folder.save_trace(step, result.trace_events)
         with handle:  # metrics, policy, dataset with schema, decoded samples, timeline; ends the child run
             handle.log_metrics(result.metrics)
             handle.log_policy(result.policy.version, result.policy.path, result.policy.sha256)
             handle.log_rollouts(store.ref(step).path, store.digest(step), step_array_specs(folder.rollouts, step))
-            codec = TextCodec.from_policy_folder(policy.path, cfg.dataset.chat_template)
+            codec = TextCodec.from_policy_folder(result.policy.path, cfg.dataset.chat_template)
             handle.log_samples(load_sample_table(folder.rollouts, step, codec.decode, cfg.mlflow.sample_groups))
             handle.log_artifact(trace_path, "timelines")
         result.metrics["lineage_seconds"] = time.perf_counter() - t0
         # Written last: the step's metrics for summary.json, and the mark that it needs no rerun.
         store.mark_complete(step, "lineage", metrics={k: float(v) for k, v in result.metrics.items()},
                             mlflow_run_id=handle.run_id)
-        policy = result.policy
+        published[result.policy.version] = result.policy
         results.append(result)
+        outer.update(1)
         if len(results) % cfg.mlflow.plot_every_steps == 0 or step == cfg.iterations - 1:  # refresh the plots
             lineage.log_plots(save_run_plots([{"step": r.step, **r.metrics} for r in results],
                                              folder.plots, STAGES))
         outer.set_postfix(reward=f"{result.metrics.get('reward_mean', float('nan')):.3f}")
+
+    for step in range(first_step, cfg.iterations):
+        # Step k waits for step k - s - 1, which publishes the version k asks for.
+        release = released_by(step, s)
+        while in_flight and release is not None and in_flight[0].step <= release:
+            finish_oldest()
+        version = behaviour_version(step, s)
+        # A resumed run's first steps may ask for versions published by the earlier process.
+        behaviour = published.get(version) or folder.policy_store().ref(version)
+        prev_train = in_flight[-1].train_gate if in_flight else ()
+        handles[step] = lineage.start_step(step, version)  # the child run spans the step from its submission
+        in_flight.append(submit_iteration(client, cfg, pools, folder, step, behaviour, prev_train))
+        if in_flight[-1].stages["train"].gate is None:
+            # Train found complete (a resumed run): the ranks restart from its version when the step
+            # finishes, so no later step's training-rank task may be queued before that.
+            while in_flight:
+                finish_oldest()
+    while in_flight:
+        finish_oldest()
+    outer.close()
+    _add_idle(results)
     return results
 
 
+def _idle_seconds(busy: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Seconds of [lo, hi] covered by none of the ``busy`` (start, end) intervals."""
+    covered, cursor = 0.0, lo
+    for a, b in sorted((max(a, lo), min(b, hi)) for a, b in busy if b > lo and a < hi):
+        if b > cursor:
+            covered += b - max(a, cursor)
+            cursor = b
+    return max(0.0, (hi - lo) - covered)
+
+
+def _idle_fractions(results: list[IterationResult]) -> dict[str, float]:
+    """Idle seconds of each pool over the run's step windows, as fractions (the per-step idle
+    seconds reach the step metrics and summary.json only: they are known once every step has run)."""
+    window = sum(r.metrics.get("step_window_seconds", 0.0) for r in results)
+    if window <= 0:
+        return {}
+    return {f"{pool}_idle_fraction": sum(r.metrics.get(f"{pool}_idle_seconds", 0.0) for r in results) / window
+            for pool in ("rollout", "train")}
+
+
+def _add_idle(results: list[IterationResult]) -> None:
+    """Idle seconds of the rollout pool and of the training ranks per step: each step's window
+    runs from the previous step's last training-rank task end to its own (the run's first window
+    from its first task), measured from every step's task timestamps once all have run."""
+    busy = {pool: [(a, b) for r in results for p, a, b in r.busy if p == pool] for pool in ("rollout", "train")}
+    ends = [max((b for p, _, b in r.busy if p == "train"), default=float("nan")) for r in results]
+    starts = [a for pool in busy.values() for a, _ in pool]
+    lo = min(starts) if starts else 0.0
+    for r, hi in zip(results, ends):
+        if hi != hi:  # no training task ran (stages found complete)
+            continue
+        for pool in ("rollout", "train"):
+            r.metrics[f"{pool}_idle_seconds"] = _idle_seconds(busy[pool], lo, hi)
+        r.metrics["step_window_seconds"] = hi - lo
+        lo = hi
+
+
 def _summarise(cfg: GRPOConfig, lineage: Lineage, tracking_uri: str, folder: RunFolder,
+                results: list[IterationResult],
                wall_s: float) -> RunSummary:
     """The summary of every step of the run, resumed ones included, from the metrics stored with
-    each step's "lineage" mark; wall_seconds is this process's."""
+    each step's "lineage" mark, with what this process measured once every step had run (idle
+    seconds of the pools); wall_seconds is this process's."""
     store = folder.rollout_store()
-    metrics = [store.attrs(step)["metrics"] for step in range(cfg.iterations)]
+    ran = {r.step: r.metrics for r in results}
+    metrics = [{**store.attrs(step)["metrics"], **ran.get(step, {})} for step in range(cfg.iterations)]
+    names = STAGES + tuple(s for s in _EXTRA_STAGES if any(f"{s}_seconds" in m for m in metrics))
     last = folder.policy_store().ref(cfg.iterations)
     return RunSummary(
         run_name=cfg.run_name, mlflow_run_id=lineage.run_id, tracking_uri=tracking_uri,
         iterations=len(metrics), reward_mean=[m.get("reward_mean", float("nan")) for m in metrics],
-        wall_seconds=wall_s, stage_seconds={s: [m.get(f"{s}_seconds", 0.0) for m in metrics] for s in STAGES},
+        wall_seconds=wall_s, stage_seconds={s: [m.get(f"{s}_seconds", 0.0) for m in metrics] for s in names},
         metrics=[{"step": step, **m} for step, m in enumerate(metrics)], policy_path=last.path)
 
 
@@ -274,7 +354,7 @@ def format_summary(summary: RunSummary) -> str:
         lines.append(f"{m['step']:>4} {m.get('reward_mean', float('nan')):>7.3f} {m.get('loss', 0):>8.4f} "
                      f"{m.get('kl', 0):>7.4f} {m.get('clip_fraction', 0):>6.3f} {m.get('bubble_fraction', 0):>6.3f} "
                      + " ".join(f"{m[f'{s}_seconds']:>7.2f}" for s in STAGES))
-    totals = " ".join(f"{sum(v):>7.2f}" for v in summary.stage_seconds.values())
+    totals = " ".join(f"{sum(summary.stage_seconds.get(s, [0.0])):>7.2f}" for s in STAGES)
     lines.append(f"{'all':>4} {'':>7} {'':>8} {'':>7} {'':>6} {'':>6} {totals}")
     if summary.reward_mean:
         first, last, w = summary.reward_gain()

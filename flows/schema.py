@@ -21,7 +21,10 @@ from stages.train.buckets import BucketedLayout, bucketed_layout, microbatches_p
 from stages.train.plan import MicrobatchLayout, microbatch_layout
 from storage.model_folder import load_hf_config
 
-__all__ = ["ConfigError", "ClusterConfig", "MlflowConfig", "GRPOConfig", "config_hash", "config_to_dict"]
+__all__ = ["ConfigError", "PLACEMENTS", "ClusterConfig", "MlflowConfig", "GRPOConfig", "config_hash", "config_to_dict"]
+
+
+PLACEMENTS = ("colocated", "decoupled")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -39,14 +42,34 @@ class ClusterConfig:
     """Connect to this Dask scheduler instead of starting an embedded local cluster."""
     num_plain_workers: int = 1
     """Embedded cluster: workers without resources (reward, advantage, IO)."""
-    colocated: bool = False
-    """Embedded cluster: give training workers the rollout resource too (one pool for both phases)."""
+    placement: str = "decoupled"
+    """Embedded cluster: colocated gives the first rollout.num_engines training workers the rollout
+    resource too (one pool for both phases); decoupled starts rollout.num_engines separate rollout
+    workers."""
+    colocated: Optional[bool] = None
+    """Replaced by cluster.placement; setting it is an error that names the new key."""
+    rollout_threads: int = 1
+    """torch threads of each rollout task (torch.set_num_threads on the worker)."""
+    train_threads: int = 1
+    """torch threads of each training-rank task (train, reference, proximal)."""
     iteration_timeout_s: float = 900.0
     """An iteration whose stages have not all finished by then fails, naming the late stages."""
 
     def __post_init__(self) -> None:
+        _require(self.colocated is None,
+                 f"cluster.colocated={self.colocated} is replaced: set cluster.placement="
+                 f"{'colocated' if self.colocated else 'decoupled'} instead")
+        _require(self.placement in PLACEMENTS,
+                 f"cluster.placement={self.placement!r} is not one of {', '.join(PLACEMENTS)}")
+        _require(self.rollout_threads >= 1, f"cluster.rollout_threads={self.rollout_threads} must be >= 1")
+        _require(self.train_threads >= 1, f"cluster.train_threads={self.train_threads} must be >= 1")
         _require(self.num_plain_workers >= 0, "cluster.num_plain_workers must be >= 0")
         _require(self.iteration_timeout_s > 0, "cluster.iteration_timeout_s must be > 0")
+
+    @property
+    def colocated_pools(self) -> bool:
+        """Training workers also generate."""
+        return self.placement == "colocated"
 
 
 @dataclass(frozen=True)

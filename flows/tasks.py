@@ -29,19 +29,23 @@ from storage.rollouts import RolloutStore, StepRef
 from storage.run_folder import RunFolder
 
 __all__ = [
-    "TRAIN_FAULT_ENV", "exit_with_parent", "worker_ready", "make_base_policy", "init_train_rank", "shutdown_train_rank", "mark_stage_complete",
-    "rollout_task", "score_task", "reference_task", "advantage_task", "train_task", "publish_task",
+    "TRAIN_FAULT_ENV", "exit_with_parent", "worker_ready", "make_base_policy", "init_train_rank",
+    "shutdown_train_rank", "mark_stage_complete", "rollout_task", "score_task", "reference_task", "proximal_task",
+    "advantage_task", "train_task", "publish_task",
 ]
 
 # Worker-process registries (see the module docstring).
 _TRAIN_RANKS: dict[str, TrainRank] = {}
 _ROLLOUT_MODELS: dict[str, tuple[str, torch.nn.Module, TextCodec]] = {}
+_ROLLOUT_VERSIONS: dict[str, int] = {}  # engine -> the policy version its model holds (the version tag)
 _CODECS: dict[tuple[str, bool], TextCodec] = {}
 _SOURCES: dict[str, PromptSource] = {}
 
 
-def _threads() -> None:
-    torch.set_num_threads(1)
+def _threads(n: int = 1) -> None:
+    """torch threads of this worker's tasks (cluster.rollout_threads / cluster.train_threads)."""
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
 
 
 def exit_with_parent(poll_s: float = 0.2) -> int:
@@ -123,11 +127,12 @@ def init_train_rank(cfg: GRPOConfig, rank: int, init_method: str, policy: Policy
     """Build this worker's training rank (global rank ``rank`` of the pp x dp x tp mesh) from a policy
     version and the optimiser state saved with it; the frozen reference is ``reference`` (the run's
     v0; default: ``policy``). It stays for the whole run."""
-    _threads()
+    _threads(cfg.cluster.train_threads)
     shutdown_train_rank(cfg.run_name)
     hf_config, _, _ = load_model_folder(policy.path, names=set())
     model_cfg = DecoderConfig.from_hf(hf_config)
-    setup = train_setup(cfg.train, model_cfg, cfg.num_microbatches, cfg.rollout.temperature, _faults_from_env())
+    setup = train_setup(cfg.train, model_cfg, cfg.num_microbatches, cfg.rollout.temperature, _faults_from_env(),
+                        cfg.rollout.max_staleness)
     names = rank_tensor_names(model_cfg, setup.layout, setup.layout.coord(rank).pp)
     _, _, tensors = load_model_folder(policy.path, names=names)
     ref_tensors = None
@@ -167,21 +172,33 @@ def _rollout_model(cfg: GRPOConfig, engine_key: str, policy: PolicyRef) -> tuple
     model.eval()
     codec = TextCodec.from_policy_folder(policy.path, cfg.dataset.chat_template)
     _ROLLOUT_MODELS[engine_key] = (policy.sha256, model, codec)
+    _ROLLOUT_VERSIONS[engine_key] = policy.version
     return model, codec, time.perf_counter() - t0
+
+
+def _check_engine_version(engine_key: str, asked: int) -> None:
+    """Refuse to generate a step from any version but the one the step asks for (its group's
+    policy_version, set by the rule of flows/async_schedule.py)."""
+    held = _ROLLOUT_VERSIONS.get(engine_key)
+    if held != asked:
+        raise RuntimeError(f"rollout engine {engine_key} holds policy v{held}, the step asks for v{asked}; "
+                           "it generates only from the version the step names")
 
 
 def rollout_task(cfg: GRPOConfig, ref: StepRef, policy: PolicyRef, prompt_start: int, prompt_stop: int,
                  engine_key: str) -> dict[str, float]:
     """Generate G completions for prompts [prompt_start, prompt_stop) of the step; write their rows."""
-    _threads()
-    model, codec, load_s = _rollout_model(cfg, engine_key, policy)
+    t_start = time.time()
+    _threads(cfg.cluster.rollout_threads)
     store = RolloutStore(ref.root)
+    model, codec, load_s = _rollout_model(cfg, engine_key, policy)
+    _check_engine_version(engine_key, store.attrs(ref.step)["policy_version"])
     records = _records(cfg, policy.path, ref.step, prompt_start, prompt_stop)
     rows = generate_rows(model, codec, [r.prompt_ids for r in records], cfg.rollout, seed=cfg.seed, step=ref.step,
                          prompt_start=prompt_start, prompts_per_step=cfg.task.prompts_per_step,
                          prompt_width=store.layout(ref.step).prompt_width, policy_version=policy.version)
     store.write_rows(ref.step, rows.arrays, start=rows.row_start)
-    return {**rows.metrics, "weight_load_seconds": load_s}
+    return {**rows.metrics, "weight_load_seconds": load_s, "task_start": t_start, "task_end": time.time()}
 
 
 def mark_stage_complete(ref: StepRef, stage: str, *deps, attrs: dict | None = None) -> str:
@@ -223,15 +240,17 @@ def score_task(cfg: GRPOConfig, ref: StepRef, policy_path: str, start: int, stop
 
 
 # -- reference log-probs ------------------------------------------------------------------------------
-def _read_sequences(store: RolloutStore, step: int) -> dict[str, np.ndarray]:
+def _read_sequences(store: RolloutStore, step: int, proximal: bool = False) -> dict[str, np.ndarray]:
+    """The arrays build_global_batch reads; ``proximal``: with prox_logp (decoupled PPO's anchor)."""
     return store.read(step, "prompt_ids", "prompt_len", "tokens", "length", "behav_logp", "ref_logp",
-                      "advantage", "reward_failed")
+                      "advantage", "reward_failed", *(("prox_logp",) if proximal else ()))
 
 
 def reference_task(cfg: GRPOConfig, ref: StepRef, *deps) -> dict[str, float]:
     """Forward-only pipeline pass of the frozen reference on every training rank; the rank holding
     the gathered log-probs (last stage, dp = tp = 0) writes ref_logp."""
-    _threads()
+    t_start = time.time()
+    _threads(cfg.cluster.train_threads)
     engine = _rank(cfg.run_name)
     t0 = time.perf_counter()
     store = RolloutStore(ref.root)
@@ -240,7 +259,22 @@ def reference_task(cfg: GRPOConfig, ref: StepRef, *deps) -> dict[str, float]:
     logp = engine.batch_logp(batch, "reference_logp")  # every pass, as [N, max_new] in store order
     if logp is not None:
         store.write(ref.step, "ref_logp", logp)
-    return {"reference_seconds": time.perf_counter() - t0}
+    return {"reference_seconds": time.perf_counter() - t0, "task_start": t_start, "task_end": time.time()}
+
+
+def proximal_task(cfg: GRPOConfig, ref: StepRef, *deps) -> dict[str, float]:
+    """Forward-only pass of the trainer's current weights (before this step's update) on every
+    training rank; the output rank writes prox_logp, decoupled PPO's clip anchor."""
+    t_start = time.time()
+    _threads(cfg.cluster.train_threads)
+    engine = _rank(cfg.run_name)
+    store = RolloutStore(ref.root)
+    a = _read_sequences(store, ref.step)
+    batch = build_global_batch(a, "token-mean", engine.setup.model.pad_token_id or 0, cfg.microbatch_layout)
+    logp = engine.batch_logp(batch, "proximal_logp")
+    if logp is not None:
+        store.write(ref.step, "prox_logp", logp)
+    return {"proximal_seconds": time.time() - t_start, "task_start": t_start, "task_end": time.time()}
 
 
 # -- advantages ---------------------------------------------------------------------------------------
@@ -257,10 +291,11 @@ def advantage_task(cfg: GRPOConfig, ref: StepRef, *deps) -> dict[str, float]:
 # -- training and publication -------------------------------------------------------------------------
 def train_task(cfg: GRPOConfig, ref: StepRef, folder: RunFolder, new_version: int, *deps) -> dict:
     """One optimiser step on this rank, then write this rank's shard of the new policy version."""
-    _threads()
+    t_start = time.time()
+    _threads(cfg.cluster.train_threads)
     engine = _rank(cfg.run_name)
     store = RolloutStore(ref.root)
-    a = _read_sequences(store, ref.step)
+    a = _read_sequences(store, ref.step, proximal=cfg.rollout.max_staleness >= 1)
     batch = build_global_batch(a, cfg.train.loss_aggregation, engine.setup.model.pad_token_id or 0,
                                cfg.microbatch_layout, reward_failed=a["reward_failed"],
                                group_size=cfg.rollout.group_size)
@@ -277,7 +312,8 @@ def train_task(cfg: GRPOConfig, ref: StepRef, folder: RunFolder, new_version: in
     folder.policy_store().save_optimizer_state(new_version, engine.rank, engine.optimizer_state())
     return {"rank": engine.rank, "metrics": result.metrics, "window_ns": result.window_ns,
             "events": chrome_events(engine.rank, result.actions, result.window_ns, origin_ns=0),
-            "shard_bytes": num_bytes, "shard_seconds": time.perf_counter() - t0}
+            "shard_bytes": num_bytes, "shard_seconds": time.perf_counter() - t0,
+            "task_start": t_start, "task_end": time.time()}
 
 
 def publish_task(folder: RunFolder, new_version: int, base: PolicyRef, step: int, num_shards: int,

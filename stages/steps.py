@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from stages.advantage import trained_samples
-from stages.config import ModelConfig, RewardConfig, TrainConfig, WarmupConfig
+from stages.config import ModelConfig, RewardConfig, TrainConfig, WarmupConfig, effective_off_policy
 from stages.data import PromptRecord
 from stages.policy import DecoderConfig
 from stages.policy.tokenizer import TextCodec
@@ -111,9 +111,10 @@ def reward_statistics(reward: np.ndarray, length: np.ndarray, group_size: int,
 
 
 def train_setup(train: TrainConfig, model_cfg: DecoderConfig, num_microbatches: int, temperature: float,
-                faults: tuple[InjectedFault, ...] = ()) -> TrainSetup:
+                faults: tuple[InjectedFault, ...] = (), max_staleness: int = 0) -> TrainSetup:
     """A training rank's setup: the train section, the model, the per-pipeline microbatch count
-    and the rollout temperature (the loss scores log-probs at the sampling temperature)."""
+    and the rollout temperature (the loss scores log-probs at the sampling temperature);
+    max_staleness picks the off-policy default (stages/config.py effective_off_policy)."""
     t = train
     return TrainSetup(
         model=model_cfg, pipeline_parallel_size=t.pipeline_model_parallel_size,
@@ -121,5 +122,6 @@ def train_setup(train: TrainConfig, model_cfg: DecoderConfig, num_microbatches: 
         virtual_stages=t.virtual_pipeline_model_parallel_size, data_parallel_size=t.data_parallel_size,
         tensor_parallel_size=t.tensor_model_parallel_size, lr=t.lr, weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm,
-        loss=LossConfig(t.clip_eps_low, t.clip_eps_high, t.kl_beta, temperature),
+        loss=LossConfig(t.clip_eps_low, t.clip_eps_high, t.kl_beta, temperature,
+                        effective_off_policy(t, max_staleness)),
         logprob_chunk_tokens=t.logprob_chunk_tokens, timeout_s=t.timeout_s, faults=faults)

@@ -3,7 +3,9 @@
 ``runs/<run>/rollouts.zarr/step_<k>/`` holds the per-sample arrays of :data:`ARRAYS`. Chunks along
 the sample axis are whole multiples of G, so a task that owns a chunk-aligned range of groups can
 write it without locks. A step group's attributes record its group_size, the policy_version that
-generated it, the config hash and which stages are complete; a stage is marked complete only
+generated it, the trainer_version that consumed it (the weights the train stage started from;
+with rollout.max_staleness s >= 1 up to s versions newer), the config hash and which stages are
+complete; a stage is marked complete only
 after all its arrays are written, and attribute updates are serialised with a file lock so two
 stages finishing at once cannot lose each other's mark.
 """
@@ -36,6 +38,7 @@ ARRAYS: dict[str, tuple[str, str]] = {
     "length": ("int32", ""),
     "behav_logp": ("float32", "gen"),
     "ref_logp": ("float32", "gen"),
+    "prox_logp": ("float32", "gen"),  # trainer's weights before the step's update (written when s >= 1)
     "reward": ("float32", ""),
     "reward_failed": ("bool", ""),
     "advantage": ("float32", ""),

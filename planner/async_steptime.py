@@ -1,0 +1,65 @@
+"""Step time of the asynchronous loop from a synchronous run's measured stage seconds.
+
+The loop's rules (flows/async_schedule.py) in closed form, for one rollout engine and one training
+pipeline. With per-step stage seconds R (rollout), W (reward + advantage, on plain workers), F
+(reference), P (proximal, a forward pass like the reference, so P = F when not measured), T (train),
+U (publish) and L (the loop's own seconds per step: lineage, submission; measured as the sync run's
+seconds per step minus its critical path):
+
+    sync (s = 0):        R + max(W, F) + T + U + L                      (one step in flight)
+    async, decoupled:    max(R, F + P + T, (R + max(W, F + P) + T + U + L) / (s + 1))
+    async, colocated:    R + F + P + T  (+ the cycle bound as above)
+
+Decoupled, the engine and the ranks each run their own chain; a step's rollout also waits for the
+publish of step k - s - 1, a cycle through s + 1 steps, hence the third term. Colocated, one worker
+queue holds rollout and the ranks' tasks, so asynchrony hides only reward, advantage and publish.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["StageSeconds", "sync_step_seconds", "async_step_seconds"]
+
+
+@dataclass(frozen=True, slots=True)
+class StageSeconds:
+    """Measured seconds per step of each stage, from a synchronous run on the same cores."""
+
+    rollout: float
+    reward: float
+    reference: float
+    advantage: float
+    train: float
+    publish: float
+    loop: float = 0.0
+    """Seconds per step outside the stages (lineage logging, submission)."""
+    proximal: float | None = None
+    """Forward pass of the trainer's weights; None: taken equal to the reference pass."""
+
+    def __post_init__(self) -> None:
+        for name in ("rollout", "reward", "reference", "advantage", "train", "publish", "loop"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"StageSeconds.{name}={getattr(self, name)} must be >= 0 (seconds)")
+
+    @property
+    def prox(self) -> float:
+        return self.reference if self.proximal is None else self.proximal
+
+
+def sync_step_seconds(t: StageSeconds) -> float:
+    """Seconds per step of the synchronous loop: the critical path plus the loop's own seconds."""
+    return t.rollout + max(t.reward + t.advantage, t.reference) + t.train + t.publish + t.loop
+
+
+def async_step_seconds(t: StageSeconds, max_staleness: int, colocated: bool = False) -> float:
+    """Steady-state seconds per step with rollout.max_staleness s (s = 0: :func:`sync_step_seconds`)."""
+    if max_staleness < 0:
+        raise ValueError(f"max_staleness={max_staleness} must be >= 0")
+    if max_staleness == 0:
+        return sync_step_seconds(t)
+    cycle = (t.rollout + max(t.reward + t.advantage, t.reference + t.prox) + t.train + t.publish + t.loop) \
+        / (max_staleness + 1)
+    if colocated:
+        return max(t.rollout + t.reference + t.prox + t.train, cycle)
+    return max(t.rollout, t.reference + t.prox + t.train, cycle)

@@ -1,12 +1,11 @@
 """Checks a run makes before any work starts: each bad input is refused with one line naming the
 key, file or sample, and nothing stored is changed.
 
-- ``reward.functions``: every name resolves to a callable reward (stages/reward);
 - ``model.path``: an HF folder with config.json of a supported model_type, tokenizer.json and
   safetensors holding every tensor the model needs at its configured shape;
 - an existing run folder: started with the same config, except :data:`SAFE_TO_CHANGE` keys
   (run.json); its Zarr steps readable; its policy versions hashing to their manifests;
-- prompts no longer than ``task.prompt_width`` under model.path's tokenizer (:func:`check_task_prompts`).
+- prompts no wider than the step layout's prompt width under model.path's tokenizer (:func:`check_task_prompts`).
 
 NaN or infinite rewards are not refused here: the reward stage marks those samples failed
 (stages/reward ``score_samples``), and failed samples carry no gradient.
@@ -16,14 +15,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
+from storage.model_folder import ModelFolderError, load_hf_config
 from flows.schema import ConfigError, GRPOConfig, config_to_dict
 
-__all__ = ["SAFE_TO_CHANGE", "PreflightError", "config_differences", "check_rewards", "check_model_folder",
-           "check_run_folder", "check_prompt_lengths", "check_task_prompts", "preflight"]
+__all__ = ["SAFE_TO_CHANGE", "PreflightError", "config_differences", "check_model_folder",
+           "check_run_folder", "check_task_prompts", "preflight"]
 
 SAFE_TO_CHANGE = ("iterations", "runs_dir", "cluster.", "mlflow.", "plan.")
 """Config keys (or key prefixes, ending in '.') a resumed run may change: they decide how long and
@@ -54,17 +54,6 @@ def config_differences(stored: dict[str, Any], current: dict[str, Any]) -> list[
     return sorted(k for k in set(a) | set(b) if not _safe(k) and a.get(k, "<unset>") != b.get(k, "<unset>"))
 
 
-def check_rewards(names: Sequence[str]) -> None:
-    from stages.reward import RewardFunctionError, check_reward_functions
-
-    if not names:
-        raise PreflightError("reward.functions is empty: name at least one reward, e.g. [exact_match]")
-    try:
-        check_reward_functions(names)
-    except RewardFunctionError as exc:
-        raise PreflightError(str(exc).strip().splitlines()[0]) from None
-
-
 def _model_error(path: Path, what: str) -> PreflightError:
     return PreflightError(f"model.path={path}: {what}")
 
@@ -77,17 +66,10 @@ def check_model_folder(path: str | Path) -> None:
     from stages.policy import DecoderConfig, build_stage, hf_named_parameters
 
     path = Path(path)
-    if not path.is_dir():
-        raise _model_error(path, "no such folder")
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise _model_error(path, "no config.json (an HF model folder holds config.json, tokenizer.json, *.safetensors)")
     try:
-        hf = json.loads(cfg_file.read_text())
-        if not isinstance(hf, dict):
-            raise ValueError("not a JSON object")
-    except ValueError as exc:
-        raise _model_error(path, f"config.json is not valid JSON: {str(exc).splitlines()[0]}") from None
+        hf = load_hf_config(path)
+    except ModelFolderError as exc:
+        raise PreflightError(str(exc)) from None
     try:
         model_cfg = DecoderConfig.from_hf(hf)
     except Exception as exc:  # unsupported model_type, missing or inconsistent sizes
@@ -121,14 +103,6 @@ def check_model_folder(path: str | Path) -> None:
             raise _model_error(path, f"tensor {name} is missing from the safetensors files")
         if shapes[name] != shape:
             raise _model_error(path, f"tensor {name} has shape {list(shapes[name])}, config.json implies {list(shape)}")
-
-
-def check_prompt_lengths(prompt_ids: Iterable[Sequence[int]], width: int, where: str = "prompt") -> None:
-    """Every tokenised prompt fits ``task.prompt_width`` tokens; the first that does not is named."""
-    for i, ids in enumerate(prompt_ids):
-        if len(ids) > width:
-            raise PreflightError(f"{where} {i} has {len(ids)} tokens, longer than task.prompt_width={width}: "
-                                 "raise the width or drop the prompt")
 
 
 def _check_config(cfg: GRPOConfig, state: dict[str, Any], folder) -> None:
@@ -206,27 +180,30 @@ def check_run_folder(cfg: GRPOConfig, folder) -> dict[str, Any] | None:
 
 
 def check_task_prompts(cfg: GRPOConfig) -> None:
-    """The task's prompts of every step, tokenised by model.path's tokenizer as the rollout does
-    (BOS + text), fit task.prompt_width."""
+    """The prompts of the run, tokenised by model.path's tokenizer as the rollout does (chat template
+    and BOS included), fit the step layout's prompt width; a file dataset is read and checked whole
+    (overflow: refuse names the line)."""
+    from stages.data import DatasetError, open_prompt_source
     from stages.policy.tokenizer import TextCodec
-    from stages.tasks.addition import make_prompts
 
-    path = Path(cfg.model.path) / "tokenizer.json"
     try:
-        codec = TextCodec.from_json(path.read_text())
+        codec = TextCodec.from_policy_folder(cfg.model.path, cfg.dataset.chat_template)
     except Exception as exc:
         raise _model_error(Path(cfg.model.path), f"tokenizer.json cannot be used: "
                                                  f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from None
-    for step in range(cfg.iterations):
-        texts = make_prompts(cfg.seed, step, cfg.task.prompts_per_step, cfg.task.num_digits)
-        check_prompt_lengths(([codec.bos_id] + codec.encode(t) for t in texts), cfg.task.prompt_width,
-                             where=f"step {step}: prompt")
+    try:
+        source = open_prompt_source(cfg.dataset, codec, cfg.task.prompts_per_step)
+    except DatasetError as exc:
+        raise PreflightError(str(exc).strip().splitlines()[0]) from None
+    if source.prompt_width > cfg.prompt_width:
+        raise PreflightError(
+            f"prompts take up to {source.prompt_width} tokens under model.path's tokenizer, the step layout's "
+            f"prompt width is {cfg.prompt_width}: raise dataset.max_prompt_tokens (or use dataset.overflow=truncate)")
 
 
 def preflight(cfg: GRPOConfig, folder) -> dict[str, Any] | None:
     """Every check that needs no cluster, in the order a user would fix them; returns run.json of a
     resumed run (None for a new one). Raises :class:`PreflightError`."""
-    check_rewards(cfg.reward.functions)
     if cfg.model.path:
         check_model_folder(cfg.model.path)
         check_task_prompts(cfg)

@@ -158,7 +158,7 @@ class RewardConfig:
     def __post_init__(self) -> None:
         from stages.reward import RewardFunctionError, check_reward_functions
 
-        _require(len(self.functions) >= 1, "reward.functions must name at least one reward function")
+        _require(len(self.functions) >= 1, "reward.functions is empty: name at least one reward, e.g. [exact_match]")
         _require(self.num_tasks >= 1, "reward.num_tasks must be >= 1")
         _require(self.timeout_s > 0, "reward.timeout_s must be > 0")
         _require(self.memory_limit_bytes is None or self.memory_limit_bytes >= 1 << 24,

@@ -15,18 +15,22 @@ class ModelFolderError(ValueError):
 
 
 def load_hf_config(path: str | Path) -> dict[str, Any]:
-    """The parsed config.json of the model folder ``path``."""
+    """The parsed config.json of the model folder ``path``; errors read
+    ``model.path=<path>: <what is wrong>``."""
     folder = Path(path)
+
+    def error(what: str) -> ModelFolderError:
+        return ModelFolderError(f"model.path={path}: {what}")
+
     if not folder.is_dir():
-        raise ModelFolderError(f"model.path={str(path)!r} is not a folder: give an HF model folder "
-                               "(config.json, *.safetensors, tokenizer.json)")
+        raise error("no such folder")
     file = folder / "config.json"
+    if not file.is_file():
+        raise error("no config.json (an HF model folder holds config.json, tokenizer.json, *.safetensors)")
     try:
         data = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise ModelFolderError(f"{file}: not found; an HF model folder needs its config.json") from None
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
     except (OSError, ValueError) as exc:
-        raise ModelFolderError(f"{file}: not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise ModelFolderError(f"{file}: expected a JSON object, got {type(data).__name__}")
+        raise error(f"config.json is not valid JSON: {str(exc).splitlines()[0]}") from None
     return data

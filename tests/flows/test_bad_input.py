@@ -20,7 +20,7 @@ from conftest import make_decoder_config, make_model
 from flows.config import load_config
 from flows.iteration import step_layout
 from flows.loop import fresh_run, run, run_folder
-from flows.preflight import PreflightError, check_prompt_lengths, config_differences, preflight
+from flows.preflight import PreflightError, config_differences, preflight
 from flows.schema import ConfigError, config_hash, config_to_dict
 from stages.policy import hf_state
 from stages.tasks.addition import make_tokenizer_json
@@ -166,11 +166,11 @@ CASES = [
     ("model-more-layers", "hf", _model(num_hidden_layers=5), r"tensor model.layers.4.\S+ is missing"),
     ("model-tokenizer-not-json", "hf", lambda run, hf: (hf / "tokenizer.json").write_text("{"), r"tokenizer.json cannot be used"),
     ("prompt-wider-than-width", "hf", lambda run, hf: (hf / "tokenizer.json").write_text(_char_split_tokenizer()),
-     r"step 0: prompt 0 has \d+ tokens, longer than task.prompt_width=\d+"),
+     r"prompts take up to \d+ tokens under model.path's tokenizer, the step layout's prompt width is 7"),
     # -- an existing run folder with another config ------------------------------------------------
     ("config-lr-changed", ["train.lr=0.1"], None, r"started with a different config: train.lr differ; run with --new"),
     ("config-seed-and-group", ["seed=3", "rollout.group_size=4"], None, r"rollout.group_size, seed differ"),
-    ("config-task-changed", ["task.num_digits=3"], None, r"task.num_digits differ"),
+    ("config-dataset-changed", ["dataset.num_digits=3"], None, r"dataset.num_digits differ"),
     ("run-json-corrupt", [], lambda run, hf: (run / "run.json").write_text("{"), r"cannot read .*run.json"),
     ("run-json-no-config", [], lambda run, hf: _edit_json(run / "run.json", config=None), r"run.json holds no config"),
     ("run-json-missing", [], lambda run, hf: os.remove(run / "run.json"), r"holds steps but no run.json"),
@@ -212,9 +212,10 @@ def test_bad_input_is_refused_before_work(env, case):
         overrides = [f"model.path={hf / 'config.json'}"]
     if edit is not None:
         edit(run_dir, hf)
-    cfg = load_config("configs/tiny.yaml", [*BASE, f"runs_dir={runs}", "run_name=r", *overrides])
     before = _tree_hash(run_dir)
-    with pytest.raises(PreflightError, match=message) as info:
+    # Refused when the config loads (ConfigError) or when the run starts (PreflightError, a ConfigError).
+    with pytest.raises(ConfigError, match=message) as info:
+        cfg = load_config("configs/tiny.yaml", [*BASE, f"runs_dir={runs}", "run_name=r", *overrides])
         run(cfg, progress=False)
     assert "\n" not in str(info.value)
     assert _tree_hash(run_dir) == before
@@ -256,12 +257,6 @@ def test_cli_prints_a_config_refusal_in_one_line(env, capsys):
     assert main(["run", "configs/tiny.yaml", *BASE, f"runs_dir={runs}", "run_name=r", "train.lr=0.5"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "train.lr differ" in err
-
-
-def test_prompt_longer_than_width_is_named():
-    check_prompt_lengths([[1, 2, 3], [1, 2]], width=3)
-    with pytest.raises(PreflightError, match=r"prompt 1 has 5 tokens, longer than task.prompt_width=4"):
-        check_prompt_lengths([[1, 2], [1, 2, 3, 4, 5]], width=4)
 
 
 @pytest.mark.parametrize("fn", ["nan_reward", "inf_reward"])

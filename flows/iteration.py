@@ -13,8 +13,9 @@ measurements) and the one task that marks the stage complete once they have all 
 load -> stage -> save functions) and stages/.
 
 With rollout.max_staleness s >= 1 several steps are in flight (flows/async_schedule.py): step k
-generates from the policy version the rule names, a ``proximal`` stage scores the step's tokens
-under the trainer's current weights, and the training-rank tasks of step k wait on step k-1's train
+generates from the policy version the rule names, decoupled PPO anchors the clip on the trainer's
+current weights (the train forward's own log-probs, or a ``proximal`` stage's stored pass with
+train.off_policy.proximal = pass), and the training-rank tasks of step k wait on step k-1's train
 (``prev_train``), so every rank runs the collectives of consecutive steps in the same order.
 :func:`submit_iteration` builds one step's graph; :func:`finish_iteration` waits for it.
 """
@@ -31,6 +32,7 @@ from distributed import Client, Future, as_completed
 from flows import tasks
 from flows.cluster import Pools
 from flows.schema import GRPOConfig, config_hash
+from stages.config import effective_off_policy
 from storage.policies import PolicyRef
 from storage.rollouts import StepLayout, StepRef
 from storage.run_folder import RunFolder
@@ -45,8 +47,10 @@ _AFTER = {"rollout": (), "reward": ("rollout",), "reference": ("rollout",), "pro
 
 
 def step_stages(cfg: GRPOConfig) -> tuple[str, ...]:
-    """The stages of every step: :data:`STAGES`, plus ``proximal`` when rollout.max_staleness >= 1."""
-    if cfg.rollout.max_staleness >= 1:
+    """The stages of every step: :data:`STAGES`, plus ``proximal`` when the loss is decoupled PPO
+    with a stored proximal pass (train.off_policy.proximal = pass)."""
+    opc = effective_off_policy(cfg.train, cfg.rollout.max_staleness)
+    if opc.decoupled and opc.proximal == "pass":
         return STAGES[:3] + ("proximal",) + STAGES[3:]
     return STAGES
 
@@ -152,7 +156,7 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
                                       for r in range(world)])
 
     proximal: tuple[Future, ...] = ()
-    if cfg.rollout.max_staleness >= 1:
+    if "proximal" in step_stages(cfg):
         if "proximal" in done:
             proximal = skip("proximal")
         else:  # the trainer's current weights: after the previous step's train, before this one's

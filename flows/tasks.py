@@ -295,7 +295,7 @@ def train_task(cfg: GRPOConfig, ref: StepRef, folder: RunFolder, new_version: in
     _threads(cfg.cluster.train_threads)
     engine = _rank(cfg.run_name)
     store = RolloutStore(ref.root)
-    a = _read_sequences(store, ref.step, proximal=cfg.rollout.max_staleness >= 1)
+    a = _read_sequences(store, ref.step, proximal="proximal" in store.completed(ref.step))
     batch = build_global_batch(a, cfg.train.loss_aggregation, engine.setup.model.pad_token_id or 0,
                                cfg.microbatch_layout, reward_failed=a["reward_failed"],
                                group_size=cfg.rollout.group_size)

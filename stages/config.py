@@ -264,7 +264,10 @@ class TrainConfig:
 
 # The planner's recommendation for stale rollouts (docs/design-70b/report.md Section 4): decoupled
 # PPO, the clip anchored on the proximal policy, token-level importance weights truncated at 2.
-ASYNC_OFF_POLICY = OffPolicyConfig(decoupled=True, is_level="token", is_mode="truncate", is_cap=2.0)
+# The planner's recommendation for staleness >= 1 (docs/design-70b/report.md, Section 4): decoupled
+# PPO anchored on the trainer's current weights, token-level truncated importance weights, cap 2.
+ASYNC_OFF_POLICY = OffPolicyConfig(decoupled=True, proximal="current", is_level="token", is_mode="truncate",
+                                   is_cap=2.0)
 
 
 def effective_off_policy(train: TrainConfig, max_staleness: int) -> OffPolicyConfig:

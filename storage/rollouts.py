@@ -38,7 +38,7 @@ ARRAYS: dict[str, tuple[str, str]] = {
     "length": ("int32", ""),
     "behav_logp": ("float32", "gen"),
     "ref_logp": ("float32", "gen"),
-    "prox_logp": ("float32", "gen"),  # trainer's weights before the step's update (written when s >= 1)
+    "prox_logp": ("float32", "gen"),  # trainer's weights before the step's update (the proximal stage)
     "reward": ("float32", ""),
     "reward_failed": ("bool", ""),
     "advantage": ("float32", ""),

@@ -220,9 +220,20 @@ def _terms_sums(terms: TokenTerms) -> torch.Tensor:
     return torch.stack([t.detach().sum() for t in terms[1:]])
 
 
+def _with_current_proximal(target: torch.Tensor, logp: torch.Tensor, cfg: OffPolicyConfig) -> torch.Tensor:
+    """target with its prox_logp channel set to ``logp`` (the current weights' log-probs, no
+    gradient) when decoupled PPO takes pi_prox from the current weights (``proximal: current``)."""
+    if not (cfg.decoupled and cfg.proximal == "current"):
+        return target
+    target = target.clone()
+    target[..., _PROX] = logp.to(target.dtype)
+    return target
+
+
 def grpo_logp_loss(logp: torch.Tensor, target: torch.Tensor, cfg: LossConfig):
     """(loss scalar, LossStats) of one microbatch from its token log-probs. logp: [...];
     target: [..., F]."""
+    target = _with_current_proximal(target, logp.detach(), cfg.off_policy)
     isw = importance_weights(target, cfg.off_policy)
     terms = grpo_token_terms(logp, target, cfg, isw.weight if cfg.off_policy.decoupled else None)
     loss = (terms.loss * _selected(target[..., _MASK] > 0, target[..., _W])).sum()
@@ -308,6 +319,12 @@ def grpo_chunked_loss(hidden: torch.Tensor, target: torch.Tensor, lm_head: nn.Li
     # An empty selection still yields a loss connected to ``hidden`` (zero gradient): the pipeline
     # runs backward on every microbatch, empty ones too.
     h, t = hidden.reshape(-1, H)[idx], flat_t[idx]  # (n, H), (n, F)
+    if cfg.off_policy.decoupled and cfg.off_policy.proximal == "current":
+        with torch.no_grad():  # pi_prox = the current weights: one forward-only pass of the head
+            current = torch.cat([token_logp(lm_head(h_c), n_c, cfg.temperature) for h_c, n_c in
+                                 zip(h.detach().split(chunk_tokens), t[:, _NEXT].split(chunk_tokens))]) \
+                if len(idx) else h.new_zeros(0)
+        t = _with_current_proximal(t, current, cfg.off_policy)
     # The importance weights see every token of a sequence at once (sequence levels), before chunking.
     isw = importance_weights(t, cfg.off_policy)
     loss, sums = _ChunkedGRPOLoss.apply(h, lm_head.weight, t, isw.weight if cfg.off_policy.decoupled else None,

@@ -7,10 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-__all__ = ["IS_LEVELS", "IS_MODES", "OffPolicyConfig"]
+__all__ = ["IS_LEVELS", "IS_MODES", "PROXIMAL_SOURCES", "OffPolicyConfig"]
 
 IS_LEVELS = ("token", "sequence", "geometric")
 IS_MODES = ("none", "truncate", "mask")
+PROXIMAL_SOURCES = ("current", "pass")
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,12 @@ class OffPolicyConfig:
     decoupled: bool = False
     """Decoupled PPO (Hilton et al. 2021; AReaL): clip r = pi_theta / pi_prox and weight each token
     by w = pi_prox / pi_behav (target channel prox_logp). False: clip pi_theta / pi_behav, w = 1."""
+    proximal: Literal["current", "pass"] = "current"
+    """Where pi_prox comes from. current: the trainer's weights at the start of the step, which are
+    the weights its own forward runs with (one optimiser update per step), so pi_prox is that
+    forward's log-prob, detached: no extra pass. pass: a forward-only ``proximal`` stage writes
+    prox_logp to the store before train (the same values up to float rounding; a cross-check, and
+    the form a multi-update step would need)."""
     is_level: Literal["token", "sequence", "geometric"] = "token"
     """token: w_t = exp(prox_t - behav_t). sequence: every token of sample i takes
     exp(sum_t (prox_t - behav_t)), the sequence likelihood ratio, unbiased but with a variance
@@ -44,6 +51,8 @@ class OffPolicyConfig:
     (max 3.4e38) even summed over tokens, and the gradient through a clamped value is 0."""
 
     def __post_init__(self) -> None:
+        if self.proximal not in PROXIMAL_SOURCES:
+            raise ValueError(f"train.off_policy.proximal={self.proximal!r}: use one of {PROXIMAL_SOURCES}")
         if self.is_level not in IS_LEVELS:
             raise ValueError(f"train.off_policy.is_level={self.is_level!r}: use one of {IS_LEVELS}")
         if self.is_mode not in IS_MODES:

@@ -107,7 +107,7 @@ def test_masked_slots_cannot_leak_non_finite_values(poison):
     # Multiplying by the mask instead of selecting leaks: 0 * nan = nan, 0 * inf = nan.
     leaky = plain_grpo_loss(torch.tensor([logp]), poisoned, LossConfig(0.2, 0.28, kl_beta=0.1))
     assert not math.isfinite(float(leaky))
-    for off in (OffPolicyConfig(), OffPolicyConfig(decoupled=True, is_level="sequence", dual_clip=True)):
+    for off in (OffPolicyConfig(), OffPolicyConfig(decoupled=True, proximal="pass", is_level="sequence", dual_clip=True)):
         cfg = LossConfig(0.2, 0.28, kl_beta=0.1, off_policy=off)
         want_loss, want_grad, _ = loss_and_grad([-0.9, 0.0, -0.6, 0.0], clean, cfg)
         got_loss, got_grad, stats = loss_and_grad(logp, poisoned, cfg)
@@ -143,9 +143,9 @@ def random_target(B: int, T: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("off", [
     OffPolicyConfig(),
-    OffPolicyConfig(decoupled=True, is_level="token", is_mode="truncate", is_cap=1.0),
-    OffPolicyConfig(decoupled=True, is_level="sequence", is_mode="mask", is_cap=1.0),
-    OffPolicyConfig(decoupled=True, is_level="geometric", is_mode="none"),
+    OffPolicyConfig(decoupled=True, proximal="pass", is_level="token", is_mode="truncate", is_cap=1.0),
+    OffPolicyConfig(decoupled=True, proximal="pass", is_level="sequence", is_mode="mask", is_cap=1.0),
+    OffPolicyConfig(decoupled=True, proximal="pass", is_level="geometric", is_mode="none"),
 ])
 def test_on_policy_equals_plain_loss_bit_for_bit(off):
     target = random_target(3, 9, seed=4)
@@ -161,15 +161,18 @@ def test_on_policy_equals_plain_loss_bit_for_bit(off):
     assert m["is_truncated_fraction"] == m["is_masked_fraction"] == 0.0
 
 
-def test_chunked_loss_equals_full_logits_loss_off_policy():
-    """Sequence-level weights see whole sequences even when chunks split them."""
+@pytest.mark.parametrize("proximal", ["pass", "current"])
+def test_chunked_loss_equals_full_logits_loss_off_policy(proximal):
+    """Sequence-level weights see whole sequences even when chunks split them; the current-weights
+    anchor is the same log-prob on both paths."""
     torch.manual_seed(0)
     head = torch.nn.Linear(8, 13, bias=False)
     hidden = torch.randn(3, 7, 8, requires_grad=True)
     target = random_target(3, 7, seed=1)
     target[..., F["next_id"]] = torch.randint(0, 13, (3, 7)).float()
     target[..., F["prox_logp"]] += 0.4 * torch.randn(3, 7)
-    off = OffPolicyConfig(decoupled=True, is_level="sequence", is_mode="mask", is_cap=1.5, dual_clip=True)
+    off = OffPolicyConfig(decoupled=True, proximal=proximal, is_level="sequence", is_mode="mask", is_cap=1.5,
+                          dual_clip=True)
     cfg = LossConfig(0.2, 0.28, kl_beta=0.1, off_policy=off)
     full, full_stats = grpo_microbatch_loss(head(hidden), target, cfg)
     g_full = torch.autograd.grad(full, (hidden, head.weight))

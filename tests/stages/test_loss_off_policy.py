@@ -38,13 +38,30 @@ def test_decoupled_clip_anchors_on_the_proximal_policy():
     # behav = 0, prox = log 2 (w = 2), logp = log 3, A = -1, cap 2.5 (no truncation):
     # r = pi / pi_prox = 1.5; -min(-1.5, -1.28) = 1.5; loss = w * 1.5 = 3.0; d/dlogp = w * r = 3.0.
     # (Anchored on behav it would be r = 3, loss 3.)
-    off = OffPolicyConfig(decoupled=True, is_cap=2.5)
+    off = OffPolicyConfig(decoupled=True, proximal="pass", is_cap=2.5)
     loss, grad, stats = loss_and_grad([_LN(3)], make_target([0.0], [_LN(2)], [-1.0], [0], [1.0]), off)
     assert loss == pytest.approx(3.0, rel=1e-6) and grad == pytest.approx([3.0], rel=1e-6)
     assert stats.is_weight_max == pytest.approx(2.0) and stats.clip_low_sum == stats.clip_high_sum == 0
     # A = +1: r = 1.5 > 1.28 clips high: loss = -w * 1.28 = -2.56, gradient 0.
     loss, grad, stats = loss_and_grad([_LN(3)], make_target([0.0], [_LN(2)], [1.0], [0], [1.0]), off)
     assert loss == pytest.approx(-2.56, rel=1e-6) and grad == [0.0] and stats.clip_high_sum == 1
+
+
+def test_current_proximal_is_the_trainers_own_log_prob():
+    # proximal: current takes pi_prox = the current weights, whatever the stored channel holds.
+    # behav = 0, logp = log 3 (so w = pi / pi_behav = 3, truncated to the cap 2), A = 1, weight 1:
+    # r = pi / pi_prox = 1 exactly (no clip can bind in the step's single update), loss = -2 * 1,
+    # d loss / d logp = -w * r = -2 (the detached anchor carries no gradient).
+    off = OffPolicyConfig(decoupled=True, proximal="current", is_cap=2.0)
+    stored_prox_ignored = make_target([0.0], [_LN(10)], [1.0], [0], [1.0])
+    loss, grad, stats = loss_and_grad([_LN(3)], stored_prox_ignored, off)
+    assert loss == pytest.approx(-2.0, rel=1e-6) and grad == pytest.approx([-2.0], rel=1e-6)
+    assert stats.is_weight_max == pytest.approx(3.0) and stats.is_truncated_sum == 1
+    assert stats.clip_low_sum == stats.clip_high_sum == 0
+    # The same numbers as the stored pass when the stored channel holds exactly that log-prob.
+    as_pass = OffPolicyConfig(decoupled=True, proximal="pass", is_cap=2.0)
+    stored = make_target([0.0], [_LN(3)], [1.0], [0], [1.0])
+    assert loss_and_grad([_LN(3)], stored, as_pass)[:2] == (loss, grad)
 
 
 # Three tokens of one sample, logp = prox (r = 1, no clip), A = 1, weights 1/3, so each token's
@@ -58,7 +75,7 @@ _TOKENS = make_target([0.0] * 3, [_LN(3), _LN(1.5), 0.0], [1.0] * 3, [0] * 3, [1
     ("none", [3.0, 1.5, 1.0], 0.0, 0.0),
 ])
 def test_token_level_tis_and_mis(mode, w, truncated, masked):
-    off = OffPolicyConfig(decoupled=True, is_level="token", is_mode=mode, is_cap=2.0)
+    off = OffPolicyConfig(decoupled=True, proximal="pass", is_level="token", is_mode=mode, is_cap=2.0)
     loss, grad, stats = loss_and_grad([_LN(3), _LN(1.5), 0.0], _TOKENS, off)
     assert loss == pytest.approx(-sum(w) / 3, rel=1e-6)
     assert grad == pytest.approx([-x / 3 for x in w], rel=1e-6, abs=1e-8)
@@ -83,7 +100,7 @@ _G = math.sqrt(1.5)
     ("token", "mask", 1.8, [0, 0, 1.5, 1.0]),  # per token: both log-2 tokens dropped
 ])
 def test_sequence_level_weights(level, mode, cap, w):
-    off = OffPolicyConfig(decoupled=True, is_level=level, is_mode=mode, is_cap=cap)
+    off = OffPolicyConfig(decoupled=True, proximal="pass", is_level=level, is_mode=mode, is_cap=cap)
     logp = [_LN(2), _LN(2), _LN(1.5), 0.0]
     loss, grad, stats = loss_and_grad(logp, _SEQS, off)
     assert loss == pytest.approx(-sum(w) / 4, rel=1e-6)
@@ -93,7 +110,7 @@ def test_sequence_level_weights(level, mode, cap, w):
 
 def test_sequence_weights_do_not_mix_samples_in_different_rows():
     # The same two samples, one per row of a [2, 2] microbatch: the same weights as one row.
-    off = OffPolicyConfig(decoupled=True, is_level="sequence", is_mode="mask", is_cap=3.0)
+    off = OffPolicyConfig(decoupled=True, proximal="pass", is_level="sequence", is_mode="mask", is_cap=3.0)
     logp = torch.tensor([[_LN(2), _LN(2)], [_LN(1.5), 0.0]], requires_grad=True)
     loss, _ = grpo_logp_loss(logp, _SEQS.reshape(2, 2, -1), LossConfig(0.2, 0.28, off_policy=off))
     assert float(loss.detach()) == pytest.approx(-3.0 / 4, rel=1e-6)
@@ -167,7 +184,7 @@ def test_off_policy_microbatch_losses_sum_to_full_batch_loss():
     failed[[1, 4, 5, 6]] = True  # group 1 keeps one valid sample: all four out
     layout = microbatch_layout(4, 4, 5, 6, 44, packing=True, pack_row_tokens=22)
     batch = build_global_batch(arrays, "seq-mean-token-mean", 0, layout, reward_failed=failed, group_size=4)
-    off = OffPolicyConfig(decoupled=True, is_level="sequence", is_mode="mask", is_cap=1.5, dual_clip=True)
+    off = OffPolicyConfig(decoupled=True, proximal="pass", is_level="sequence", is_mode="mask", is_cap=1.5, dual_clip=True)
     cfg = LossConfig(0.2, 0.28, kl_beta=0.1, off_policy=off)
     kw = batch.stage_kwargs()
     rows = batch.input_ids.shape[0] // layout.num_microbatches

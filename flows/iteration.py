@@ -11,6 +11,14 @@ Each stage is a :class:`StageFutures`: its tasks (``work``, whose results are th
 measurements) and the one task that marks the stage complete once they have all written
 (``gate``); downstream stages wait on the gate. The work itself is in flows/tasks.py (thin
 load -> stage -> save functions) and stages/.
+
+Losing a worker: stateless tasks (reward, advantage, publish, the gates) carry no worker
+restriction and Dask ``retries``, and rewrite whole chunk-aligned regions, so Dask reruns them
+elsewhere when their worker dies; rollout tasks ask only for the ``rollout`` resource, so a
+restarted engine takes them (it loads the policy on first use). Training and reference tasks are
+pinned to the address each rank was built on: while the step runs, the iteration checks every
+``_POLL_S`` that those workers are still there and ends with a :class:`WorkerLostError` as soon as
+one is not; flows/loop.py then rebuilds the ranks and reruns the step.
 """
 
 from __future__ import annotations
@@ -20,16 +28,17 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from dask.base import tokenize
-from distributed import Client, Future, as_completed
+from distributed import Client, Future, wait
 
 from flows import tasks
-from flows.cluster import Pools
+from flows.cluster import Pools, lost_workers, worker_addresses
 from flows.schema import GRPOConfig, config_hash
 from storage.policies import PolicyRef
 from storage.rollouts import StepLayout, StepRef
 from storage.run_folder import RunFolder
 
-__all__ = ["STAGES", "IterationError", "IterationResult", "StageFutures", "run_iteration", "step_layout"]
+__all__ = ["STAGES", "IterationError", "WorkerLostError", "IterationResult", "StageFutures", "run_iteration",
+           "step_layout"]
 
 STAGES = ("rollout", "reward", "reference", "advantage", "train", "publish")
 # What each stage waits for; a stage's seconds are measured from the last of these finishing.
@@ -37,8 +46,21 @@ _AFTER = {"rollout": (), "reward": ("rollout",), "reference": ("rollout",),
           "advantage": ("reward",), "train": ("advantage", "reference"), "publish": ("train",)}
 
 
+_POLL_S = 0.5  # how often a running step checks that its training workers are alive
+_STATELESS_RETRIES = 2  # Dask reruns of a reward / advantage / publish / gate task that raised
+_LOST_GRACE_S = 3.0  # a rank's peers may report its death before the scheduler has noticed it
+
+
 class IterationError(RuntimeError):
     """A stage of an iteration failed or timed out; the message names the step and the stage."""
+
+
+class WorkerLostError(IterationError):
+    """A training worker of the step died or was restarted: its rank's state is gone."""
+
+    def __init__(self, message: str, workers: list[str]):
+        super().__init__(message)
+        self.workers = tuple(workers)
 
 
 @dataclass
@@ -86,20 +108,22 @@ def _ranges(num_groups: int, groups_per_chunk: int, parts: int) -> list[tuple[in
 
 
 def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, ref: StepRef,
-            policy: PolicyRef, done: set[str]) -> dict[str, StageFutures]:
+            policy: PolicyRef, done: set[str], attempt: int = 0) -> dict[str, StageFutures]:
     G = cfg.rollout.group_size
     layout = step_layout(cfg)
     gpc = layout.chunk_samples // G
-    tok = tokenize(ref, policy.sha256, config_hash(cfg))
+    # A rerun of the step gets new keys: a task of the abandoned attempt may still be running.
+    tok = tokenize(ref, policy.sha256, config_hash(cfg), attempt)
     world = len(pools.train)  # training ranks: one reference and one train task each
-    train_pin = [dict(workers=[pools.train[r]], resources={"train": 1}, pure=False) for r in range(world)]
+    train_pin = [dict(workers=[pools.train_addresses[r]], resources={"train": 1}, pure=False) for r in range(world)]
+    stateless = dict(retries=_STATELESS_RETRIES)
     new_version = policy.version + 1
     stages: dict[str, StageFutures] = {}
 
     def add(stage: str, work: list[Future], **attrs) -> tuple[Future, ...]:
         """Record the stage with a gate that marks it complete once all ``work`` has written."""
         gate = client.submit(tasks.mark_stage_complete, ref, stage, *work, attrs=attrs,
-                             key=f"{stage}-done-{ref.step}-{tok}")
+                             key=f"{stage}-done-{ref.step}-{tok}", **stateless)
         stages[stage] = StageFutures(stage, tuple(work), gate)
         return stages[stage].deps
 
@@ -112,17 +136,18 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
     else:
         work = []
         for i, (lo, hi) in enumerate(_ranges(layout.num_prompts, gpc, len(pools.rollout))):
+            # Any engine may take any range (rows are seeded by step and prompt): no address pin,
+            # so an engine restarted at a new address picks up the range its predecessor lost.
             engine = pools.rollout[i % len(pools.rollout)]
             work.append(client.submit(tasks.rollout_task, cfg, ref, policy, lo, hi, engine,
-                                      key=f"rollout-{ref.step}-{i}-{tok}", workers=[engine],
-                                      resources={"rollout": 1}, pure=False))
+                                      key=f"rollout-{ref.step}-{i}-{tok}", resources={"rollout": 1}, pure=False))
         rollout = add("rollout", work)
 
     if "reward" in done:
         reward = skip("reward")
     else:
         reward = add("reward", [client.submit(tasks.score_task, cfg, ref, policy.path, lo * G, hi * G, *rollout,
-                                              key=f"score-{ref.step}-{i}-{tok}")
+                                              key=f"score-{ref.step}-{i}-{tok}", **stateless)
                                 for i, (lo, hi) in enumerate(_ranges(layout.num_prompts, gpc, cfg.reward.num_tasks))])
 
     if "reference" in done:
@@ -136,7 +161,7 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
         advantage = skip("advantage")
     else:
         advantage = add("advantage", [client.submit(tasks.advantage_task, cfg, ref, *reward,
-                                                    key=f"advantage-{ref.step}-{tok}")])
+                                                    key=f"advantage-{ref.step}-{tok}", **stateless)])
 
     if "train" in done:  # every rank's shard of the new version is on disk already
         train = skip("train")
@@ -146,15 +171,21 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
 
     # Publish always runs: it is idempotent, and a step whose publish is complete is not rerun.
     add("publish", [client.submit(tasks.publish_task, folder, new_version, policy, ref.step,
-                                  cfg.train.pipeline_model_parallel_size, *train, key=f"publish-{ref.step}-{tok}")],
+                                  cfg.train.pipeline_model_parallel_size, *train, key=f"publish-{ref.step}-{tok}",
+                                  **stateless)],
         next_policy_version=new_version)
     return stages
 
 
 def run_iteration(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, step: int,
                   policy: PolicyRef, on_stage: Callable[[str], None] = lambda stage: None,
-                  timeout_s: float = 900.0) -> IterationResult:
-    """Run step ``step`` from ``policy``; returns the new policy version and the step's metrics."""
+                  timeout_s: float = 900.0, attempt: int = 0) -> IterationResult:
+    """Run step ``step`` from ``policy``; returns the new policy version and the step's metrics.
+    ``attempt`` numbers reruns of the step (new task keys). Raises :class:`WorkerLostError` as
+    soon as a training worker of ``pools`` is gone."""
+    lost = lost_workers(client, pools)
+    if lost:
+        raise WorkerLostError(f"step {step}: training worker {', '.join(lost)} was lost before the step started", lost)
     store = folder.rollout_store()
     done = store.completed(step)
     if "rollout" not in done:  # a partial rollout is regenerated whole
@@ -162,7 +193,7 @@ def run_iteration(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFold
         done = set()
     ref = store.ref(step)
     start = time.perf_counter()
-    stages = _submit(client, cfg, pools, folder, ref, policy, done)
+    stages = _submit(client, cfg, pools, folder, ref, policy, done, attempt)
     stage_of = {f.key: s.stage for s in stages.values() for f in s.futures}
     work_keys = {f.key for s in stages.values() for f in s.work}
     pending = {stage: len(stages[stage].futures) for stage in STAGES}
@@ -170,22 +201,38 @@ def run_iteration(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFold
     for stage in finished_at:
         on_stage(stage)
     results: dict[str, list] = {stage: [] for stage in STAGES}
+    remaining = {f for s in stages.values() for f in s.futures}
+    deadline = start + timeout_s
     try:
-        for future, value in as_completed([f for s in stages.values() for f in s.futures], with_results=True,
-                                          raise_errors=False, timeout=timeout_s):
-            stage = stage_of[future.key]
-            if future.status == "error":
-                exc = future.exception()
-                raise IterationError(f"step {step}: stage {stage} failed: {type(exc).__name__}: {exc}") from exc
-            if future.key in work_keys:
-                results[stage].append(value)
-            pending[stage] -= 1
-            if pending[stage] == 0:
-                finished_at[stage] = time.perf_counter()
-                on_stage(stage)
-    except TimeoutError as exc:
-        late = [s for s, n in pending.items() if n]
-        raise IterationError(f"step {step}: stages {', '.join(late)} did not finish within {timeout_s:.0f} s") from exc
+        while remaining:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                raise IterationError(_late_message(client, step, stages, remaining, timeout_s))
+            try:
+                finished, _ = wait(list(remaining), timeout=min(_POLL_S, left), return_when="FIRST_COMPLETED")
+            except TimeoutError:
+                finished = set()
+            lost = lost_workers(client, pools)
+            if lost:
+                late = ", ".join(s for s, n in pending.items() if n)
+                raise WorkerLostError(f"step {step}: training worker {', '.join(lost)} was lost during stages {late}",
+                                      lost)
+            for future in finished:
+                stage = stage_of[future.key]
+                if future.status == "error":
+                    raise _failure(client, pools, step, stage, future.exception())
+                if future.status == "cancelled":
+                    raise _failure(client, pools, step, stage, RuntimeError(f"task {future.key} was cancelled"))
+                if future.key in work_keys:
+                    try:  # the result's worker may die before it is fetched: then the next poll sees it
+                        results[stage].append(future.result(timeout=4 * _POLL_S))
+                    except TimeoutError:
+                        continue
+                remaining.discard(future)
+                pending[stage] -= 1
+                if pending[stage] == 0:
+                    finished_at[stage] = time.perf_counter()
+                    on_stage(stage)
     finally:
         for s in stages.values():
             for f in s.futures:
@@ -195,6 +242,66 @@ def run_iteration(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFold
     stage_seconds = {s: finished_at[s] - max((finished_at[d] for d in _AFTER[s]), default=start) for s in STAGES}
     skipped = frozenset(s.stage for s in stages.values() if s.gate is None)
     return _collect(step, results, stage_seconds, skipped)
+
+
+def _failure(client: Client, pools: Pools, step: int, stage: str, exc: BaseException) -> IterationError:
+    """The error of a failed task: a :class:`WorkerLostError` when a training worker is gone
+    (its peers may report its death a moment before the scheduler does)."""
+    deadline = time.monotonic() + (_LOST_GRACE_S if stage in ("reference", "train") else 0.0)
+    while True:
+        lost = lost_workers(client, pools)
+        if lost:
+            error = WorkerLostError(f"step {step}: stage {stage} failed after training worker {', '.join(lost)} "
+                                    f"was lost: {type(exc).__name__}: {exc}", lost)
+            error.__cause__ = exc
+            return error
+        if time.monotonic() >= deadline:
+            error = IterationError(f"step {step}: stage {stage} failed: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            return error
+        time.sleep(0.2)
+
+
+def _whereabouts(dask_scheduler, keys: list[str]) -> dict[str, tuple]:
+    """On the scheduler: (state, worker running it, worker restrictions, resources) of each task."""
+    out = {}
+    for key in keys:
+        ts = dask_scheduler.tasks.get(key)
+        if ts is None:
+            out[key] = ("released", None, [], [])
+        else:
+            out[key] = (ts.state, ts.processing_on.address if ts.processing_on else None,
+                        sorted(ts.worker_restrictions or ()), sorted(ts.resource_restrictions or ()))
+    return out
+
+
+def _late_message(client: Client, step: int, stages: dict[str, StageFutures], remaining: set[Future],
+                  timeout_s: float) -> str:
+    """Which stages did not finish in time, and which worker (or kind of worker) each waited for."""
+    late = [s for s in STAGES if any(f in remaining for f in stages[s].futures)]
+    first = late[0]  # the earliest late stage holds up the rest
+    keys = [f.key for f in stages[first].futures if f in remaining]
+    try:
+        where = client.run_on_scheduler(_whereabouts, keys=keys)
+        names = {a: n for n, a in worker_addresses(client).items()}
+    except Exception as exc:  # the scheduler itself is unreachable: say so rather than guess
+        where, names = {}, {}
+        waited = [f"the scheduler did not answer ({type(exc).__name__})"]
+    else:
+        waited = []
+        for key in keys:
+            state, on, pinned, resources = where[key]
+            if on is not None:
+                waited.append(f"worker {names.get(on, on)} ({on}) running {key}")
+            elif pinned:
+                waited.append(f"worker {', '.join(names.get(a, a) for a in pinned)} ({', '.join(pinned)}) "
+                              f"for {key} ({state})")
+            elif resources:
+                waited.append(f"a worker with resource {', '.join(resources)} for {key} ({state})")
+            else:
+                waited.append(f"any worker for {key} ({state})")
+    return (f"step {step}: stages {', '.join(late)} did not finish within cluster.iteration_timeout_s="
+            f"{timeout_s:.0f} s; stage {first} waited for {'; '.join(waited)}")
 
 
 def _collect(step: int, values: dict[str, list], stage_seconds: dict[str, float],

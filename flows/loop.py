@@ -3,6 +3,12 @@ record lineage, write the run summary.
 
 Resuming: a run folder that already holds published steps continues after the last one, from the
 policy version it published; a step left half-done is picked up after its last complete stage.
+
+Losing a training worker: the step ends with a WorkerLostError (flows/iteration.py); every rank
+then gets a fresh worker process, is rebuilt from the step's input policy (the last published
+version) and the step is rerun, at most cluster.max_restarts times. The step's stages that were
+marked complete are kept, the others rewrite their rows whole. Optimiser state is not stored with
+policy versions, so a rebuilt rank starts with fresh AdamW moments.
 """
 
 from __future__ import annotations
@@ -11,11 +17,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from distributed import wait
 from tqdm.auto import tqdm
 
 from flows import tasks
-from flows.cluster import Pools, check_pools, start_cluster
-from flows.iteration import STAGES, IterationResult, run_iteration
+from flows.cluster import ClusterError, Pools, check_pools, lost_workers, restart_train_workers, start_cluster
+from flows.iteration import STAGES, IterationError, IterationResult, WorkerLostError, run_iteration
 from flows.schema import GRPOConfig, config_hash, config_to_dict
 from stages.train.rendezvous import free_port
 from storage.lineage import Lineage
@@ -73,12 +80,24 @@ def _init_ranks(client, cfg: GRPOConfig, pools: Pools, policy: PolicyRef) -> Non
     # coordinate from its rank (stages/train/layout.py). The rendezvous listens on rank 0's host,
     # on a port free there. Every worker imports the engine first, so the rendezvous's
     # train.timeout_s bounds the rendezvous only, not a cold torch import on a loaded host.
-    client.run(tasks.worker_ready, workers=list(pools.train))
-    port = client.submit(free_port, workers=[pools.train[0]], pure=False).result()
+    addresses = list(pools.train_addresses)
+    client.run(tasks.worker_ready, workers=addresses)
+    port = client.submit(free_port, workers=addresses[:1], pure=False).result(timeout=cfg.cluster.worker_wait_s)
     init_method = f"tcp://{pools.train_host}:{port}"
     futures = [client.submit(tasks.init_train_rank, cfg, r, init_method, policy, workers=[w],
                              resources={"train": 1}, pure=False, key=f"init-train-{r}-{cfg.run_name}-{port}")
-               for r, w in enumerate(pools.train)]
+               for r, w in enumerate(addresses)]
+    # Loading the shard takes a moment, the rendezvous at most train.timeout_s; a rank pinned to
+    # a worker that died meanwhile would wait forever.
+    limit_s = cfg.cluster.worker_wait_s + cfg.train.timeout_s
+    try:
+        wait(futures, timeout=limit_s)
+    except TimeoutError as exc:
+        late = [f"rank {r} on {pools.train[r]}" for r, f in enumerate(futures) if f.status == "pending"]
+        for f in futures:
+            f.cancel()
+        raise ClusterError(f"training ranks did not start within cluster.worker_wait_s + train.timeout_s = "
+                           f"{limit_s:.0f} s: {', '.join(late)}") from exc
     client.gather(futures)
 
 
@@ -107,7 +126,7 @@ def run(cfg: GRPOConfig, progress: bool = True) -> RunSummary:
         if version is None:
             log.info("policy v0: %s", cfg.model.path or
                      f"the task's tiny model, warmed up for {cfg.warmup.steps} steps (cached in {folder.cache_root})")
-            policy = client.submit(tasks.make_base_policy, cfg, folder, workers=[pools.train[0]],
+            policy = client.submit(tasks.make_base_policy, cfg, folder, workers=[pools.train_addresses[0]],
                                    pure=False).result()
         else:
             policy = folder.policy_store().ref(version)
@@ -146,8 +165,7 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
             bar.set_postfix_str(stage)
             bar.update(1)
 
-        result = run_iteration(client, cfg, pools, folder, step, policy, on_stage=advance,
-                               timeout_s=cfg.cluster.iteration_timeout_s)
+        result, pools = _run_step(client, cfg, pools, folder, step, policy, advance)
         bar.close()
         if "train" in result.skipped:
             # The shards came from an earlier process; the ranks still hold the step's input
@@ -164,6 +182,30 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
         results.append(result)
         outer.set_postfix(reward=f"{result.metrics.get('reward_mean', float('nan')):.3f}")
     return results
+
+
+def _run_step(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, step: int, policy: PolicyRef,
+              on_stage) -> tuple[IterationResult, Pools]:
+    """Run one step, rebuilding every rank from ``policy`` and rerunning the step when a training
+    worker is lost (at most cluster.max_restarts times); returns the result and the pools it ran on."""
+    limit = cfg.cluster.max_restarts
+    for attempt in range(limit + 1):
+        try:
+            if attempt:
+                pools = restart_train_workers(client, cfg, pools)
+                _init_ranks(client, cfg, pools, policy)
+            return run_iteration(client, cfg, pools, folder, step, policy, on_stage=on_stage,
+                                 timeout_s=cfg.cluster.iteration_timeout_s, attempt=attempt), pools
+        except (WorkerLostError, ClusterError) as exc:
+            # A rebuild that fails because a worker died during it is one more lost worker; any
+            # other cluster failure ends the run.
+            if isinstance(exc, ClusterError) and not lost_workers(client, pools):
+                raise
+            if attempt == limit:
+                raise IterationError(f"{exc} (gave up after cluster.max_restarts={limit} restarts)") from exc
+            log.warning("%s; rebuilding every training rank from policy v%d and rerunning step %d "
+                        "(restart %d of %d)", exc, policy.version, step, attempt + 1, limit)
+    raise AssertionError("unreachable")
 
 
 def _summarise(cfg: GRPOConfig, lineage: Lineage, tracking_uri: str, results: list[IterationResult],

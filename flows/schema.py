@@ -37,10 +37,17 @@ class ClusterConfig:
     """Embedded cluster: give training workers the rollout resource too (one pool for both phases)."""
     iteration_timeout_s: float = 900.0
     """An iteration whose stages have not all finished by then fails, naming the late stages."""
+    max_restarts: int = 2
+    """A step that loses a training worker is re-run, after every rank is rebuilt from the last
+    published version, at most this many times; then the run fails."""
+    worker_wait_s: float = 60.0
+    """Longest wait for workers to join: at start-up, and for restarted workers to come back."""
 
     def __post_init__(self) -> None:
         _require(self.num_plain_workers >= 0, "cluster.num_plain_workers must be >= 0")
         _require(self.iteration_timeout_s > 0, "cluster.iteration_timeout_s must be > 0")
+        _require(self.max_restarts >= 0, "cluster.max_restarts must be >= 0 (0: a lost training worker fails the run)")
+        _require(self.worker_wait_s > 0, "cluster.worker_wait_s must be > 0")
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,9 @@
 
 Every trial runs the same short config on one shared embedded cluster (its nannies restart a killed
 worker process under the same name): a killer thread waits until the chosen stage of the chosen
-step has started (its inputs are marked complete in the rollout store, it is not), sleeps a random
-fraction of a second and kills the chosen worker's process by pid (``client.run(os.getpid)``, keyed
-by worker name). Then it checks the run folder:
+step has started (its inputs are marked complete in the rollout store), sleeps a random fraction of
+that stage's duration in the fault-free run and kills the chosen worker's process by pid
+(``client.run(os.getpid)``, keyed by worker name). Then it checks the run folder:
 
 - finished: the run returned (no hang: every wait is bounded by its configured timeout);
 - groups: every step's ``group_id`` holds each expected group exactly once (G contiguous rows) and
@@ -40,8 +40,7 @@ from stages.rollout.rows import first_group_id
 
 _AFTER = {"rollout": (), "reward": ("rollout",), "reference": ("rollout",), "advantage": ("reward",),
           "train": ("advantage", "reference"), "publish": ("train",)}
-_MAX_DELAY_S = 0.4  # a kill lands this long after its stage started, at most (tiny stages last ~0.1-2 s)
-_POLL_S = 0.02
+_POLL_S = 0.02  # the killer's look at the store; tiny stages last ~0.05-2 s
 
 
 @dataclass
@@ -53,8 +52,9 @@ class Trial:
     stage: str
     """The stage whose start armed the kill."""
     delay_s: float
+    """From the stage's start to the kill: a uniform fraction of its fault-free duration."""
     killed_during: str = ""
-    """First stage of the step not yet complete when the kill landed ('' when the run ended first)."""
+    """step=<s>/<stage>: the first stage not yet complete when the kill landed ('' if never armed)."""
     finished: bool = False
     error: str = ""
     lost_groups: int = 0
@@ -108,6 +108,16 @@ class _Restarts(logging.Handler):
         self.count += "rebuilding every training rank" in record.getMessage()
 
 
+def _running(store, cfg: GRPOConfig, first_step: int) -> str:
+    """The first incomplete stage at or after ``first_step``, as step=<s>/<stage>."""
+    for step in range(first_step, cfg.iterations):
+        done = store.completed(step) if store.has_step(step) else set()
+        stage = next((s for s in STAGES if s not in done), None)
+        if stage is not None:
+            return f"step={step}/{stage}"
+    return "after the last step"
+
+
 def _kill_when_started(client, cfg: GRPOConfig, trial: Trial, stop: threading.Event) -> None:
     store = run_folder(cfg).rollout_store()
     while not stop.is_set():
@@ -115,7 +125,7 @@ def _kill_when_started(client, cfg: GRPOConfig, trial: Trial, stop: threading.Ev
             done = store.completed(trial.step) if store.has_step(trial.step) else None
         except Exception:  # attrs mid-write: look again
             done = None
-        if done is not None and set(_AFTER[trial.stage]) <= done and trial.stage not in done:
+        if done is not None and set(_AFTER[trial.stage]) <= done:
             break
         time.sleep(_POLL_S)
     else:
@@ -126,11 +136,10 @@ def _kill_when_started(client, cfg: GRPOConfig, trial: Trial, stop: threading.Ev
     if address not in pids:
         return
     try:
-        done = store.completed(trial.step)
-    except Exception:
-        done = set()
+        trial.killed_during = _running(store, cfg, trial.step)
+    except Exception:  # attrs mid-write
+        trial.killed_during = f"step={trial.step}"
     os.kill(pids[address], signal.SIGKILL)
-    trial.killed_during = next((s for s in STAGES if s not in done), "after publish")
 
 
 def run_trial(client, cfg: GRPOConfig, trial: Trial, reference_sha: str, restarts: _Restarts) -> Trial:
@@ -155,12 +164,13 @@ def run_trial(client, cfg: GRPOConfig, trial: Trial, reference_sha: str, restart
     return trial
 
 
-def plan(rng: random.Random, index: int, cfg: GRPOConfig) -> Trial:
+def plan(rng: random.Random, index: int, cfg: GRPOConfig, stage_seconds: dict[str, list[float]]) -> Trial:
+    """A random worker, step, stage, and point in that stage (its fault-free ``stage_seconds``)."""
     kind = rng.choice(("rollout", "plain", "train"))
     target = {"rollout": "rollout-0", "plain": "plain-0",
               "train": f"train-{rng.randrange(cfg.train.world_size)}"}[kind]
-    return Trial(index, target, rng.randrange(cfg.iterations), rng.choice(STAGES),
-                 round(rng.uniform(0, _MAX_DELAY_S), 3))
+    step, stage = rng.randrange(cfg.iterations), rng.choice(STAGES)
+    return Trial(index, target, step, stage, round(rng.uniform(0, stage_seconds[stage][step]), 3))
 
 
 def table(trials: list[Trial]) -> str:
@@ -191,14 +201,15 @@ def main() -> None:
     t0 = time.perf_counter()
     try:
         ref_cfg = replace(cfg, run_name="fault-free")
-        run(ref_cfg, progress=False)
+        summary = run(ref_cfg, progress=False)
         reference_sha = final_sha(ref_cfg)
         assert check_groups(ref_cfg) == (0, 0, 0), "the fault-free run itself lost or duplicated groups"
         print(f"fault-free run: {time.perf_counter() - t0:.0f} s, final weights sha256 {reference_sha[:16]}")
         rng = random.Random(args.seed)
         trials = []
         for i in range(args.trials):
-            trial = run_trial(client, replace(cfg, run_name=f"trial-{i}"), plan(rng, i, cfg), reference_sha, restarts)
+            trial = plan(rng, i, cfg, summary.stage_seconds)
+            trial = run_trial(client, replace(cfg, run_name=f"trial-{i}"), trial, reference_sha, restarts)
             trials.append(trial)
             print(json.dumps(asdict(trial)), flush=True)
             if not trial.finished:  # a failed run may leave aborted process groups behind

@@ -46,7 +46,7 @@ def test_killing_the_rollout_worker_mid_rollout_changes_nothing(cluster_run):
     client, cfg, reference_sha, restarts = cluster_run
     trial = run_trial(client, replace(cfg, run_name="kill-rollout"), Trial(0, "rollout-0", 1, "rollout", 0.0),
                       reference_sha, restarts)
-    assert trial.killed_during == "rollout"
+    assert trial.killed_during == "step=1/rollout", trial
     assert trial.finished, trial.error
     assert (trial.lost_groups, trial.duplicated_groups, trial.incomplete_steps) == (0, 0, 0)
     assert trial.restarts == 0  # the engine is replaced by Dask; the training ranks are untouched
@@ -58,9 +58,9 @@ def test_killing_a_training_rank_mid_train_reruns_the_step(cluster_run):
     client, cfg, reference_sha, restarts = cluster_run
     trial = run_trial(client, replace(cfg, run_name="kill-train"), Trial(1, "train-1", 1, "train", 0.0),
                       reference_sha, restarts)
-    assert trial.killed_during == "train"
+    assert trial.killed_during == "step=1/train", trial
     assert trial.finished, trial.error
-    assert trial.restarts == 1
+    assert trial.restarts == 1, trial
     assert (trial.lost_groups, trial.duplicated_groups, trial.incomplete_steps) == (0, 0, 0)
     # No bound on the time beyond the run finishing: every wait is bounded by its own timeout.
     assert trial.wall_s < cfg.cluster.iteration_timeout_s

@@ -131,21 +131,26 @@ def _kill_when_started(client, cfg: GRPOConfig, trial: Trial, stop: threading.Ev
     else:
         return
     time.sleep(trial.delay_s)
-    pids = client.run(os.getpid)
     address = worker_addresses(client).get(trial.target)
-    if address not in pids:
+    try:
+        pid = client.run(os.getpid, workers=[address])[address]
+    except Exception as exc:  # the target is itself restarting: no kill
+        trial.killed_during = f"not killed ({type(exc).__name__})"
         return
     try:
         trial.killed_during = _running(store, cfg, trial.step)
     except Exception:  # attrs mid-write
         trial.killed_during = f"step={trial.step}"
-    os.kill(pids[address], signal.SIGKILL)
+    os.kill(pid, signal.SIGKILL)
 
 
 def run_trial(client, cfg: GRPOConfig, trial: Trial, reference_sha: str, restarts: _Restarts) -> Trial:
     stop = threading.Event()
     killer = threading.Thread(target=_kill_when_started, args=(client, cfg, trial, stop), daemon=True)
     before = restarts.count
+    # A worker killed at the end of the previous trial may still be restarting.
+    client.wait_for_workers(cfg.train.world_size + cfg.rollout.num_engines + cfg.cluster.num_plain_workers,
+                            timeout=cfg.cluster.worker_wait_s)
     t0 = time.perf_counter()
     killer.start()
     try:

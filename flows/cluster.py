@@ -107,13 +107,19 @@ def check_pools(client: Client, cfg: GRPOConfig, wait_s: float | None = None) ->
         client.wait_for_workers(1, timeout=wait_s)
     except TimeoutError as exc:
         raise ClusterError(f"no Dask worker joined within {wait_s:.0f} s") from exc
-    workers = client.scheduler_info(n_workers=-1)["workers"]
 
     def having(resource: str) -> list[str]:
         return sorted((a for a, w in workers.items() if w.get("resources", {}).get(resource, 0) >= 1),
                       key=lambda a: (_name(a, workers[a]), a))
 
-    train, rollout = having("train"), having("rollout")
+    # A worker may still be joining, or restarting after a crash: wait for the pools to fill.
+    deadline = time.monotonic() + wait_s
+    while True:
+        workers = client.scheduler_info(n_workers=-1)["workers"]
+        train, rollout = having("train"), having("rollout")
+        if (len(train) >= world and rollout) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     if len(train) < world:
         raise ClusterError(
             f"train.pipeline_model_parallel_size x data_parallel_size x tensor_model_parallel_size = "

@@ -4,6 +4,7 @@ duplicated, and a lost rollout engine changes nothing in the final weights."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 
 import pytest
@@ -64,3 +65,30 @@ def test_killing_a_training_rank_mid_train_reruns_the_step(cluster_run):
     assert (trial.lost_groups, trial.duplicated_groups, trial.incomplete_steps) == (0, 0, 0)
     # No bound on the time beyond the run finishing: every wait is bounded by its own timeout.
     assert trial.wall_s < cfg.cluster.iteration_timeout_s
+
+
+def _sleep(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+def test_the_timeout_message_names_the_late_stage_and_the_worker_it_waited_for():
+    from distributed import Client, LocalCluster
+
+    from flows.iteration import StageFutures, _late_message
+
+    with LocalCluster(n_workers=1, processes=False, threads_per_worker=1, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        (address,) = client.scheduler_info()["workers"]
+        running = client.submit(_sleep, 2.0, key="train-0-x", workers=[address])
+        starved = client.submit(_sleep, 0.0, key="rollout-0-x", resources={"rollout": 1})
+        time.sleep(0.5)  # the first task is on the worker by now
+        stages = {s: StageFutures(s) for s in ("rollout", "reward", "reference", "advantage", "train", "publish")}
+        stages["train"] = StageFutures("train", (running,))
+        message = _late_message(client, 3, stages, {running}, 60.0)
+        assert message == (f"step 3: stages train did not finish within cluster.iteration_timeout_s=60 s; "
+                           f"stage train waited for worker 0 ({address}) running train-0-x")
+        stages["rollout"] = StageFutures("rollout", (starved,))
+        message = _late_message(client, 3, stages, {running, starved}, 60.0)
+        assert message.startswith("step 3: stages rollout, train did not finish")
+        assert message.endswith("stage rollout waited for a worker with resource rollout for rollout-0-x (no-worker)")

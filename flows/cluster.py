@@ -92,10 +92,15 @@ def _name(address: str, info: dict) -> str:
     return address if name is None else str(name)
 
 
+def _workers(client: Client) -> dict[str, dict]:
+    """Address -> info of every worker, asked of the scheduler now. (``client.scheduler_info()``
+    returns a cache that the client's background refresh may swap for one without workers.)"""
+    return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+
+
 def worker_addresses(client: Client) -> dict[str, str]:
     """Worker name -> address of every worker the scheduler knows now."""
-    workers = client.scheduler_info(n_workers=-1)["workers"]
-    return {_name(a, w): a for a, w in workers.items()}
+    return {_name(a, w): a for a, w in _workers(client).items()}
 
 
 def check_pools(client: Client, cfg: GRPOConfig, wait_s: float | None = None) -> Pools:
@@ -115,7 +120,7 @@ def check_pools(client: Client, cfg: GRPOConfig, wait_s: float | None = None) ->
     # A worker may still be joining, or restarting after a crash: wait for the pools to fill.
     deadline = time.monotonic() + wait_s
     while True:
-        workers = client.scheduler_info(n_workers=-1)["workers"]
+        workers = _workers(client)
         train, rollout = having("train"), having("rollout")
         if (len(train) >= world and rollout) or time.monotonic() > deadline:
             break

@@ -63,6 +63,8 @@ class Trial:
     same_weights: bool = False
     restarts: int = 0
     wall_s: float = 0.0
+    previous_not_back: str = ""
+    """Set when the worker killed in the previous trial had not come back before this one."""
 
 
 def base_config(runs_dir: str, iterations: int) -> GRPOConfig:
@@ -148,9 +150,14 @@ def run_trial(client, cfg: GRPOConfig, trial: Trial, reference_sha: str, restart
     stop = threading.Event()
     killer = threading.Thread(target=_kill_when_started, args=(client, cfg, trial, stop), daemon=True)
     before = restarts.count
-    # A worker killed at the end of the previous trial may still be restarting.
-    client.wait_for_workers(cfg.train.world_size + cfg.rollout.num_engines + cfg.cluster.num_plain_workers,
-                            timeout=cfg.cluster.worker_wait_s)
+    # A worker killed at the end of the previous trial may still be restarting; one whose nanny
+    # has not brought it back in cluster.worker_wait_s is recorded, and the cluster restarted.
+    try:
+        client.wait_for_workers(cfg.train.world_size + cfg.rollout.num_engines + cfg.cluster.num_plain_workers,
+                                timeout=cfg.cluster.worker_wait_s)
+    except Exception as exc:
+        trial.previous_not_back = f"{type(exc).__name__}: {exc}"[:120]
+        client.restart()
     t0 = time.perf_counter()
     killer.start()
     try:

@@ -72,7 +72,7 @@ def base_config(runs_dir: str, iterations: int) -> GRPOConfig:
     return load_config("configs/tiny.yaml", [
         f"iterations={iterations}", f"runs_dir={runs_dir}", "warmup.steps=30", "task.prompts_per_step=8",
         "train.micro_batch_size=16", "train.timeout_s=10", "cluster.iteration_timeout_s=120",
-        "cluster.worker_wait_s=60"])
+        "cluster.worker_wait_s=180"])  # a restarted worker imports torch again: slow on a loaded host
 
 
 def check_groups(cfg: GRPOConfig) -> tuple[int, int, int]:
@@ -224,6 +224,8 @@ def main() -> None:
             trial = run_trial(client, replace(cfg, run_name=f"trial-{i}"), trial, reference_sha, restarts)
             trials.append(trial)
             print(json.dumps(asdict(trial)), flush=True)
+            if args.json:  # as it goes: an interrupted harness keeps its trials
+                Path(args.json).write_text(json.dumps([asdict(t) for t in trials], indent=1))
             if not trial.finished:  # a failed run may leave aborted process groups behind
                 client.restart()
     finally:

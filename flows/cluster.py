@@ -3,12 +3,19 @@
 Workers carry resources: ``train`` (one per training rank, pp x dp x tp of them), ``rollout``
 (one per generation engine); plain workers take reward, advantage and IO tasks. A task asking for a
 resource no worker has would wait forever in Dask, so :func:`check_pools` fails at start-up instead.
+
+Pools name workers by their Dask worker NAME: a worker process that dies is restarted by its nanny
+under the same name at a new address, so the run re-resolves names instead of keeping addresses.
+A training rank's state lives in its worker process, so a pool also records the address each rank
+was built on: :func:`lost_workers` tells which of them are gone, and :func:`restart_train_workers`
+gives every rank a fresh process to be rebuilt in.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import dask
@@ -16,7 +23,8 @@ from distributed import Client, Nanny, Scheduler, SpecCluster
 
 from flows.schema import GRPOConfig
 
-__all__ = ["ClusterError", "Pools", "start_cluster", "check_pools", "dashboard_link"]
+__all__ = ["ClusterError", "Pools", "start_cluster", "check_pools", "dashboard_link", "worker_addresses",
+           "lost_workers", "restart_train_workers"]
 
 log = logging.getLogger(__name__)
 
@@ -27,16 +35,29 @@ class ClusterError(RuntimeError):
 
 @dataclass(frozen=True)
 class Pools:
-    train: tuple[str, ...]  # worker addresses, index = global training rank (stages/train/layout.py)
+    """The run's worker pools by name, and where each worker was when they were resolved."""
+
+    train: tuple[str, ...]
+    """Worker names, index = global training rank (stages/train/layout.py)."""
     rollout: tuple[str, ...]
+    """Worker names of the generation engines."""
     plain: tuple[str, ...] = ()
-    """Workers with neither resource: gates, reward, advantage and publish run there when there are
-    any, so with several steps in flight they never queue behind a long train or rollout task."""
+    """Worker names with neither resource: gates, reward, advantage and publish run there when there
+    are any, so with several steps in flight they never queue behind a long train or rollout task."""
+    addresses: tuple[tuple[str, str], ...] = ()
+    """(name, address) of every pooled worker at resolution time."""
+
+    def address(self, name: str) -> str:
+        return dict(self.addresses)[name]
+
+    @property
+    def train_addresses(self) -> tuple[str, ...]:
+        return tuple(self.address(n) for n in self.train)
 
     @property
     def train_host(self) -> str:
         """Host of rank 0's worker: where the process-group rendezvous listens."""
-        return self.train[0].split("://")[-1].rsplit(":", 1)[0]
+        return self.address(self.train[0]).split("://")[-1].rsplit(":", 1)[0]
 
 
 def _worker(resources: dict[str, int]) -> dict:
@@ -91,21 +112,45 @@ def _announce_dashboard(client: Client) -> None:
         log.info("Dask dashboard: none (the scheduler serves none; install bokeh>=3.1 for it)")
 
 
-def check_pools(client: Client, cfg: GRPOConfig, wait_s: float = 60.0) -> Pools:
+def _name(address: str, info: dict) -> str:
+    # A worker started without --name is named after its address.
+    name = info.get("name")
+    return address if name is None else str(name)
+
+
+def _workers(client: Client) -> dict[str, dict]:
+    """Address -> info of every worker, asked of the scheduler now. (``client.scheduler_info()``
+    returns a cache that the client's background refresh may swap for one without workers.)"""
+    return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+
+
+def worker_addresses(client: Client) -> dict[str, str]:
+    """Worker name -> address of every worker the scheduler knows now."""
+    return {_name(a, w): a for a, w in _workers(client).items()}
+
+
+def check_pools(client: Client, cfg: GRPOConfig, wait_s: float | None = None) -> Pools:
     """The train and rollout workers, or a :class:`ClusterError` naming the missing resource."""
     t = cfg.train
     world = t.world_size
+    wait_s = cfg.cluster.worker_wait_s if wait_s is None else wait_s
     try:
         client.wait_for_workers(1, timeout=wait_s)
     except TimeoutError as exc:
         raise ClusterError(f"no Dask worker joined within {wait_s:.0f} s") from exc
-    workers = client.scheduler_info(n_workers=-1)["workers"]
 
     def having(resource: str) -> list[str]:
         return sorted((a for a, w in workers.items() if w.get("resources", {}).get(resource, 0) >= 1),
-                      key=lambda a: (workers[a].get("name", ""), a))
+                      key=lambda a: (_name(a, workers[a]), a))
 
-    train, rollout = having("train"), having("rollout")
+    # A worker may still be joining, or restarting after a crash: wait for the pools to fill.
+    deadline = time.monotonic() + wait_s
+    while True:
+        workers = _workers(client)
+        train, rollout = having("train"), having("rollout")
+        if (len(train) >= world and rollout) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     if len(train) < world:
         raise ClusterError(
             f"train.pipeline_model_parallel_size x data_parallel_size x tensor_model_parallel_size = "
@@ -114,5 +159,49 @@ def check_pools(client: Client, cfg: GRPOConfig, wait_s: float = 60.0) -> Pools:
             "start workers with --resources train=1")
     if not rollout:
         raise ClusterError("no worker offers the 'rollout' resource: start one with --resources rollout=1")
+    train, rollout = train[:world], rollout[: cfg.rollout.num_engines]
     plain = sorted(a for a, w in workers.items() if not {"train", "rollout"} & set(w.get("resources", {})))
-    return Pools(tuple(train[:world]), tuple(rollout[: cfg.rollout.num_engines]), tuple(plain))
+    return Pools(tuple(_name(a, workers[a]) for a in train), tuple(_name(a, workers[a]) for a in rollout),
+                 tuple(_name(a, workers[a]) for a in plain),
+                 tuple((_name(a, workers[a]), a) for a in dict.fromkeys(train + rollout)))
+
+
+def lost_workers(client: Client, pools: Pools, names: tuple[str, ...] | None = None) -> list[str]:
+    """Of ``names`` (default: the training workers), those no longer at the address they had when
+    ``pools`` was resolved: dead, or restarted in a new process (a new address)."""
+    now = worker_addresses(client)
+    return [n for n in (pools.train if names is None else names) if now.get(n) != pools.address(n)]
+
+
+def _wait_for_names(client: Client, names: tuple[str, ...], old: set[str], wait_s: float) -> None:
+    """Wait until every worker in ``names`` is up at an address not in ``old``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        now = worker_addresses(client)
+        missing = [n for n in names if n not in now or now[n] in old]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise ClusterError(f"workers {', '.join(missing)} did not come back within cluster.worker_wait_s="
+                               f"{wait_s:.0f} s; check their nannies' logs, or raise cluster.worker_wait_s")
+        time.sleep(0.2)
+
+
+def restart_train_workers(client: Client, cfg: GRPOConfig, pools: Pools) -> Pools:
+    """Give every training rank a fresh worker process and return the re-resolved pools.
+
+    The survivors of a lost rank hold an aborted process group that torch cannot re-initialise in
+    the same process (stages/train/faults.py), so they are restarted too; a worker that died is
+    already being restarted by its nanny under the same name."""
+    wait_s = cfg.cluster.worker_wait_s
+    old = set(pools.train_addresses)
+    now = worker_addresses(client)
+    survivors = [now[n] for n in pools.train if now.get(n) == pools.address(n)]
+    if survivors:
+        client.restart_workers(survivors, timeout=wait_s, raise_for_error=False)
+    _wait_for_names(client, pools.train, old, wait_s)
+    fresh = check_pools(client, cfg, wait_s)
+    if fresh.train != pools.train:
+        raise ClusterError(f"the training workers changed from {', '.join(pools.train)} to {', '.join(fresh.train)} "
+                           "across a restart; rank placement must stay fixed")
+    return fresh

@@ -18,6 +18,14 @@ current weights (the train forward's own log-probs, or a ``proximal`` stage's st
 train.off_policy.proximal = pass), and the training-rank tasks of step k wait on step k-1's train
 (``prev_train``), so every rank runs the collectives of consecutive steps in the same order.
 :func:`submit_iteration` builds one step's graph; :func:`finish_iteration` waits for it.
+
+Losing a worker: stateless tasks (reward, advantage, publish, the gates) carry no worker
+restriction and Dask ``retries``, and rewrite whole chunk-aligned regions, so Dask reruns them
+elsewhere when their worker dies; rollout tasks ask only for the ``rollout`` resource, so a
+restarted engine takes them (it loads the policy on first use). Training and reference tasks are
+pinned to the address each rank was built on: while the step runs, the iteration checks every
+``_POLL_S`` that those workers are still there and ends with a :class:`WorkerLostError` as soon as
+one is not; flows/loop.py then rebuilds the ranks and reruns the step.
 """
 
 from __future__ import annotations
@@ -27,23 +35,28 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from dask.base import tokenize
-from distributed import Client, Future, as_completed
+from distributed import Client, Future, wait
 
 from flows import tasks
-from flows.cluster import Pools
+from flows.cluster import Pools, lost_workers, worker_addresses
 from flows.schema import GRPOConfig, config_hash
 from stages.config import effective_off_policy
 from storage.policies import PolicyRef
-from storage.rollouts import StepLayout, StepRef
+from storage.rollouts import RolloutStore, StepLayout, StepRef
 from storage.run_folder import RunFolder
 
-__all__ = ["STAGES", "IterationError", "IterationResult", "PendingIteration", "StageFutures", "run_iteration",
+__all__ = ["STAGES", "IterationError", "WorkerLostError", "IterationResult", "PendingIteration", "StageFutures", "run_iteration",
            "submit_iteration", "finish_iteration", "step_layout", "step_stages"]
 
 STAGES = ("rollout", "reward", "reference", "advantage", "train", "publish")
 # What each stage waits for; a stage's seconds are measured from the last of these finishing.
 _AFTER = {"rollout": (), "reward": ("rollout",), "reference": ("rollout",), "proximal": ("reference",),
           "advantage": ("reward",), "train": ("advantage", "reference", "proximal"), "publish": ("train",)}
+
+
+_POLL_S = 0.5  # how often a running step checks that its training workers are alive
+_STATELESS_RETRIES = 2  # Dask reruns of a reward / advantage / publish / gate task that raised
+_LOST_GRACE_S = 3.0  # a rank's peers may report its death before the scheduler has noticed it
 
 
 def step_stages(cfg: GRPOConfig) -> tuple[str, ...]:
@@ -57,6 +70,14 @@ def step_stages(cfg: GRPOConfig) -> tuple[str, ...]:
 
 class IterationError(RuntimeError):
     """A stage of an iteration failed or timed out; the message names the step and the stage."""
+
+
+class WorkerLostError(IterationError):
+    """A training worker of the step died or was restarted: its rank's state is gone."""
+
+    def __init__(self, message: str, workers: list[str]):
+        super().__init__(message)
+        self.workers = tuple(workers)
 
 
 @dataclass
@@ -106,17 +127,20 @@ def _ranges(num_groups: int, groups_per_chunk: int, parts: int) -> list[tuple[in
 
 
 def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, ref: StepRef,
-            policy: PolicyRef, done: set[str], prev_train: tuple[Future, ...] = ()) -> dict[str, StageFutures]:
+            policy: PolicyRef, done: set[str], prev_train: tuple[Future, ...] = (),
+            attempt: int = 0) -> dict[str, StageFutures]:
     G = cfg.rollout.group_size
     layout = step_layout(cfg)
     gpc = layout.chunk_samples // G
-    tok = tokenize(ref, policy.sha256, config_hash(cfg))
+    # A rerun of the step gets new keys: a task of the abandoned attempt may still be running.
+    tok = tokenize(ref, policy.sha256, config_hash(cfg), attempt)
     world = len(pools.train)  # training ranks: one reference and one train task each
-    train_pin = [dict(workers=[pools.train[r]], resources={"train": 1}, pure=False) for r in range(world)]
+    train_pin = [dict(workers=[pools.train_addresses[r]], resources={"train": 1}, pure=False) for r in range(world)]
     new_version = ref.step + 1  # the trainer holds version ref.step (flows/async_schedule.py)
     # With steps in flight, short tasks go to plain workers so they never queue behind a train or
     # rollout task of another step; synchronous, any free worker takes them.
     io = dict(workers=list(pools.plain)) if pools.plain and cfg.rollout.max_staleness >= 1 else {}
+    io["retries"] = _STATELESS_RETRIES  # stateless: rerun elsewhere if their worker dies
     stages: dict[str, StageFutures] = {}
 
     def add(stage: str, work: list[Future], **attrs) -> tuple[Future, ...]:
@@ -136,9 +160,10 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
         work = []
         for i, (lo, hi) in enumerate(_ranges(layout.num_prompts, gpc, len(pools.rollout))):
             engine = pools.rollout[i % len(pools.rollout)]
+            # Any engine may take any range (rows are seeded by step and prompt): no address pin,
+            # so an engine restarted at a new address picks up the range its predecessor lost.
             work.append(client.submit(tasks.rollout_task, cfg, ref, policy, lo, hi, engine,
-                                      key=f"rollout-{ref.step}-{i}-{tok}", workers=[engine],
-                                      resources={"rollout": 1}, pure=False))
+                                      key=f"rollout-{ref.step}-{i}-{tok}", resources={"rollout": 1}, pure=False))
         rollout = add("rollout", work)
 
     if "reward" in done:
@@ -195,6 +220,18 @@ class PendingIteration:
     names: tuple[str, ...]
     start: float
     done_at: dict[str, float]
+    client: Client
+    pools: Pools
+    ref: StepRef
+    policy: PolicyRef
+    """The version the step generates from."""
+
+    def cancel(self) -> None:
+        """Cancel every task of the step that has not finished (a rerun resubmits it)."""
+        for s in self.stages.values():
+            for f in s.futures:
+                if f.status == "pending":
+                    f.cancel()
 
     @property
     def train_gate(self) -> tuple[Future, ...]:
@@ -203,9 +240,14 @@ class PendingIteration:
 
 
 def submit_iteration(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, step: int,
-                     policy: PolicyRef, prev_train: tuple[Future, ...] = ()) -> PendingIteration:
+                     policy: PolicyRef, prev_train: tuple[Future, ...] = (), attempt: int = 0) -> PendingIteration:
     """Submit step ``step``'s graph, generating from ``policy`` (the version the rule names);
-    ``prev_train``: the previous step's train gate while that step is still in flight."""
+    ``prev_train``: the previous step's train gate while that step is still in flight; ``attempt``
+    numbers reruns of the step (new task keys). Raises :class:`WorkerLostError` when a training
+    worker of ``pools`` is already gone."""
+    lost = lost_workers(client, pools)
+    if lost:
+        raise WorkerLostError(f"step {step}: training worker {', '.join(lost)} was lost before the step started", lost)
     store = folder.rollout_store()
     done = store.completed(step)
     if "rollout" not in done or store.attrs(step).get("policy_version") != policy.version:
@@ -214,12 +256,12 @@ def submit_iteration(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunF
         done = set()
     ref = store.ref(step)
     start = time.perf_counter()
-    stages = _submit(client, cfg, pools, folder, ref, policy, done, prev_train)
+    stages = _submit(client, cfg, pools, folder, ref, policy, done, prev_train, attempt)
     done_at: dict[str, float] = {}
     for s in stages.values():
         for f in s.futures:
             f.add_done_callback(lambda fut: done_at.setdefault(fut.key, time.perf_counter()))
-    return PendingIteration(step, stages, step_stages(cfg), start, done_at)
+    return PendingIteration(step, stages, step_stages(cfg), start, done_at, client, pools, ref, policy)
 
 
 def finish_iteration(pending: PendingIteration, on_stage: Callable[[str], None] = lambda stage: None,
@@ -233,23 +275,40 @@ def finish_iteration(pending: PendingIteration, on_stage: Callable[[str], None] 
     for stage in finished_at:
         on_stage(stage)
     results: dict[str, list] = {stage: [] for stage in pending.names}
+    client, pools = pending.client, pending.pools
+    remaining = {f for s in stages.values() for f in s.futures}
+    deadline = start + timeout_s
     try:
-        for future, value in as_completed([f for s in stages.values() for f in s.futures], with_results=True,
-                                          raise_errors=False, timeout=timeout_s):
-            stage = stage_of[future.key]
-            if future.status == "error":
-                exc = future.exception()
-                raise IterationError(f"step {step}: stage {stage} failed: {type(exc).__name__}: {exc}") from exc
-            if future.key in work_keys:
-                results[stage].append(value)
-            pending_n[stage] -= 1
-            if pending_n[stage] == 0:
-                finished_at[stage] = max(pending.done_at.get(f.key, time.perf_counter())
-                                         for f in stages[stage].futures)
-                on_stage(stage)
-    except TimeoutError as exc:
-        late = [s for s, n in pending_n.items() if n]
-        raise IterationError(f"step {step}: stages {', '.join(late)} did not finish within {timeout_s:.0f} s") from exc
+        while remaining:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                raise IterationError(_late_message(client, step, stages, remaining, timeout_s))
+            try:
+                finished, _ = wait(list(remaining), timeout=min(_POLL_S, left), return_when="FIRST_COMPLETED")
+            except TimeoutError:
+                finished = set()
+            lost = lost_workers(client, pools)
+            if lost:
+                late = ", ".join(s for s, n in pending_n.items() if n)
+                raise WorkerLostError(f"step {step}: training worker {', '.join(lost)} was lost during stages {late}",
+                                      lost)
+            for future in finished:
+                stage = stage_of[future.key]
+                if future.status == "error":
+                    raise _failure(client, pools, step, stage, future.exception())
+                if future.status == "cancelled":
+                    raise _failure(client, pools, step, stage, RuntimeError(f"task {future.key} was cancelled"))
+                if future.key in work_keys:
+                    try:  # the result's worker may die before it is fetched: then the next poll sees it
+                        results[stage].append(future.result(timeout=4 * _POLL_S))
+                    except TimeoutError:
+                        continue
+                remaining.discard(future)
+                pending_n[stage] -= 1
+                if pending_n[stage] == 0:
+                    finished_at[stage] = max(pending.done_at.get(f.key, time.perf_counter())
+                                             for f in stages[stage].futures)
+                    on_stage(stage)
     finally:
         for s in stages.values():
             for f in s.futures:
@@ -260,7 +319,7 @@ def finish_iteration(pending: PendingIteration, on_stage: Callable[[str], None] 
                      for s in pending.names}
     skipped = frozenset(s.stage for s in stages.values() if s.gate is None)
     if skipped:  # a resumed step: the skipped stages' measurements were stored with their marks
-        attrs = store.attrs(step)
+        attrs = RolloutStore(pending.ref.root).attrs(step)
         for s in skipped:
             results[s] = [{"events": [], **r} if s == "train" else r for r in attrs.get(f"results_{s}", [])]
     return _collect(step, results, stage_seconds, skipped)
@@ -268,9 +327,10 @@ def finish_iteration(pending: PendingIteration, on_stage: Callable[[str], None] 
 
 def run_iteration(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, step: int,
                   policy: PolicyRef, on_stage: Callable[[str], None] = lambda stage: None,
-                  timeout_s: float = 900.0) -> IterationResult:
+                  timeout_s: float = 900.0, attempt: int = 0) -> IterationResult:
     """Run step ``step`` from ``policy``; returns the new policy version and the step's metrics."""
-    return finish_iteration(submit_iteration(client, cfg, pools, folder, step, policy), on_stage, timeout_s)
+    return finish_iteration(submit_iteration(client, cfg, pools, folder, step, policy, attempt=attempt),
+                            on_stage, timeout_s)
 
 
 # LossStats.metrics (stages/train/loss.py) that reach the step's metrics.
@@ -318,3 +378,102 @@ def _collect(step: int, values: dict[str, list], stage_seconds: dict[str, float]
     busy += [("train", r["task_start"], r["task_end"]) for s in ("reference", "proximal", "train")
              for r in values.get(s, [])]
     return IterationResult(step, values["publish"][0], m, stage_seconds, events, skipped, busy)
+
+
+def _failure(client: Client, pools: Pools, step: int, stage: str, exc: BaseException) -> IterationError:
+    """The error of a failed task: a :class:`WorkerLostError` when a training worker is gone
+    (its peers may report its death a moment before the scheduler does)."""
+    deadline = time.monotonic() + (_LOST_GRACE_S if stage in ("reference", "train") else 0.0)
+    while True:
+        lost = lost_workers(client, pools)
+        if lost:
+            error = WorkerLostError(f"step {step}: stage {stage} failed after training worker {', '.join(lost)} "
+                                    f"was lost: {type(exc).__name__}: {exc}", lost)
+            error.__cause__ = exc
+            return error
+        if time.monotonic() >= deadline:
+            error = IterationError(f"step {step}: stage {stage} failed: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            return error
+        time.sleep(0.2)
+
+
+def _whereabouts(dask_scheduler, keys: list[str]) -> dict[str, tuple]:
+    """On the scheduler: (state, worker running it, worker restrictions, resources) of each task."""
+    out = {}
+    for key in keys:
+        ts = dask_scheduler.tasks.get(key)
+        if ts is None:
+            out[key] = ("released", None, [], [])
+        else:
+            out[key] = (ts.state, ts.processing_on.address if ts.processing_on else None,
+                        sorted(ts.worker_restrictions or ()), sorted(ts.resource_restrictions or ()))
+    return out
+
+
+def _late_message(client: Client, step: int, stages: dict[str, StageFutures], remaining: set[Future],
+                  timeout_s: float) -> str:
+    """Which stages did not finish in time, and which worker (or kind of worker) each waited for."""
+    late = [s for s in stages if any(f in remaining for f in stages[s].futures)]
+    first = late[0]  # the earliest late stage holds up the rest
+    keys = [f.key for f in stages[first].futures if f in remaining]
+    try:
+        where = client.run_on_scheduler(_whereabouts, keys=keys)
+        names = {a: n for n, a in worker_addresses(client).items()}
+    except Exception as exc:  # the scheduler itself is unreachable: say so rather than guess
+        where, names = {}, {}
+        waited = [f"the scheduler did not answer ({type(exc).__name__})"]
+    else:
+        waited = []
+        for key in keys:
+            state, on, pinned, resources = where[key]
+            if on is not None:
+                waited.append(f"worker {names.get(on, on)} ({on}) running {key}")
+            elif pinned:
+                waited.append(f"worker {', '.join(names.get(a, a) for a in pinned)} ({', '.join(pinned)}) "
+                              f"for {key} ({state})")
+            elif resources:
+                waited.append(f"a worker with resource {', '.join(resources)} for {key} ({state})")
+            else:
+                waited.append(f"any worker for {key} ({state})")
+    return (f"step {step}: stages {', '.join(late)} did not finish within cluster.iteration_timeout_s="
+            f"{timeout_s:.0f} s; stage {first} waited for {'; '.join(waited)}")
+
+
+def _collect(step: int, values: dict[str, list], stage_seconds: dict[str, float],
+             skipped: frozenset[str]) -> IterationResult:
+    """Fold the tasks' own measurements into the step's metrics."""
+    m: dict[str, float] = {}
+    if values["rollout"]:
+        roll = values["rollout"]
+        m["rollout_tokens"] = sum(r["rollout_tokens"] for r in roll)
+        m["rollout_tokens_per_s"] = m["rollout_tokens"] / max(max(r["rollout_seconds"] for r in roll), 1e-9)
+        m["kv_cache_bytes"] = sum(r["kv_cache_bytes"] for r in roll)
+        m["weight_load_seconds"] = max(r["weight_load_seconds"] for r in roll)
+    if values["reward"]:
+        m["reward_failed"] = sum(r["reward_failed"] for r in values["reward"])
+    for r in values["advantage"]:
+        m.update(r)
+    trains = sorted(values["train"], key=lambda r: r["rank"])
+    events: list[dict] = []
+    if trains:
+        for r in trains:
+            m[f"bubble_fraction_rank{r['rank']}"] = r["metrics"]["bubble_fraction"]
+            events.extend(r["events"])
+        # Loss metrics come from ranks holding the last stage (reduced over DP there): with a
+        # V-shaped schedule that is pipeline rank 0, not the highest rank.
+        loss_rank = next((r["metrics"] for r in trains if "loss" in r["metrics"]), {})
+        m.update({k: loss_rank[k] for k in ("loss", "kl", "clip_fraction") if k in loss_rank})
+        m["grad_norm"] = trains[0]["metrics"].get("grad_norm", float("nan"))
+        for r in trains:  # activation stash per stage (identical across DP / TP copies)
+            m.update({k: v for k, v in r["metrics"].items() if k.startswith(("activation_bytes", "peak_inflight"))})
+        m["bubble_fraction"] = sum(r["metrics"]["bubble_fraction"] for r in trains) / len(trains)
+        m["train_step_seconds"] = max(r["metrics"]["step_seconds"] for r in trains)
+        m["publish_bytes"] = sum(r["shard_bytes"] for r in trains)
+        m["publish_write_seconds"] = max(r["shard_seconds"] for r in trains)
+        origin = min(e["ts"] for e in events if "ts" in e)
+        for e in events:
+            if "ts" in e:
+                e["ts"] -= origin
+    m.update({f"{s}_seconds": v for s, v in stage_seconds.items()})
+    return IterationResult(step, values["publish"][0], m, stage_seconds, events, skipped)

@@ -10,6 +10,11 @@ complete stage. A folder started with another config is refused (flows/preflight
 rollout.max_staleness s: up to s + 1 steps are in flight; step k is submitted once step k - s - 1
 has finished and generates from version max(0, k - s) (flows/async_schedule.py). Steps finish, and
 are logged, in order. s = 0 submits each step after the previous one finished: the synchronous loop.
+
+Losing a training worker: the step ends with a WorkerLostError (flows/iteration.py); every rank
+then gets a fresh worker process, is rebuilt from the trainer's version (weights and optimiser
+state) and the steps in flight are resubmitted, at most cluster.max_restarts times per step. The
+stages already marked complete are kept; the others rewrite their rows whole.
 """
 
 from __future__ import annotations
@@ -22,12 +27,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from distributed import wait
 from tqdm.auto import tqdm
 
 from flows import tasks
 from flows.async_schedule import behaviour_version, released_by, trainer_version
-from flows.cluster import Pools, check_pools, dashboard_link, start_cluster
-from flows.iteration import STAGES, IterationResult, PendingIteration, finish_iteration, submit_iteration
+from flows.cluster import (ClusterError, Pools, check_pools, dashboard_link, lost_workers, restart_train_workers,
+                           start_cluster)
+from flows.iteration import (STAGES, IterationError, IterationResult, PendingIteration, WorkerLostError,
+                             finish_iteration, submit_iteration)
 from flows.preflight import preflight
 from flows.schema import GRPOConfig, config_hash, config_to_dict
 from stages.policy.tokenizer import TextCodec
@@ -90,13 +98,25 @@ def _init_ranks(client, cfg: GRPOConfig, pools: Pools, policy: PolicyRef) -> Non
     # coordinate from its rank (stages/train/layout.py). The rendezvous listens on rank 0's host,
     # on a port free there. Every worker imports the engine first, so the rendezvous's
     # train.timeout_s bounds the rendezvous only, not a cold torch import on a loaded host.
-    client.run(tasks.worker_ready, workers=list(pools.train))
-    port = client.submit(free_port, workers=[pools.train[0]], pure=False).result()
+    addresses = list(pools.train_addresses)
+    client.run(tasks.worker_ready, workers=addresses)
+    port = client.submit(free_port, workers=addresses[:1], pure=False).result(timeout=cfg.cluster.worker_wait_s)
     init_method = f"tcp://{pools.train_host}:{port}"
     reference = run_folder(cfg).policy_store().ref(0)  # the run's reference, whatever version resumes
     futures = [client.submit(tasks.init_train_rank, cfg, r, init_method, policy, reference, workers=[w],
                              resources={"train": 1}, pure=False, key=f"init-train-{r}-{cfg.run_name}-{port}")
-               for r, w in enumerate(pools.train)]
+               for r, w in enumerate(addresses)]
+    # Loading the shard takes a moment, the rendezvous at most train.timeout_s; a rank pinned to
+    # a worker that died meanwhile would wait forever.
+    limit_s = cfg.cluster.worker_wait_s + cfg.train.timeout_s
+    try:
+        wait(futures, timeout=limit_s)
+    except TimeoutError as exc:
+        late = [f"rank {r} on {pools.train[r]}" for r, f in enumerate(futures) if f.status == "pending"]
+        for f in futures:
+            f.cancel()
+        raise ClusterError(f"training ranks did not start within cluster.worker_wait_s + train.timeout_s = "
+                           f"{limit_s:.0f} s: {', '.join(late)}") from exc
     client.gather(futures)
 
 
@@ -183,7 +203,7 @@ def run(cfg: GRPOConfig, progress: bool = True) -> RunSummary:
         if version is None:
             log.info("policy v0: %s", cfg.model.path or
                      f"the task's tiny model, warmed up for {cfg.warmup.steps} steps (cached in {folder.cache_root})")
-            policy = client.submit(tasks.make_base_policy, cfg, folder, workers=[pools.train[0]],
+            policy = client.submit(tasks.make_base_policy, cfg, folder, workers=[pools.train_addresses[0]],
                                    pure=False).result()
         else:
             policy = folder.policy_store().ref(version)
@@ -220,6 +240,40 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
     handles: dict[int, StepRun] = {}
     outer = tqdm(range(first_step, cfg.iterations), desc="iterations", disable=not progress, unit="it")
 
+    def _finish_step(pending: PendingIteration, advance) -> IterationResult:
+        """Wait for the oldest step; on a lost training worker rebuild every rank from the trainer's
+        version (weights and optimiser state) and resubmit it and every later step in flight, at
+        most cluster.max_restarts times."""
+        nonlocal pools
+        limit = cfg.cluster.max_restarts
+        for attempt in range(limit + 1):
+            try:
+                return finish_iteration(pending, on_stage=advance, timeout_s=cfg.cluster.iteration_timeout_s)
+            except (WorkerLostError, ClusterError) as exc:
+                # A rebuild that fails because a worker died during it is one more lost worker;
+                # any other cluster failure ends the run.
+                if isinstance(exc, ClusterError) and not lost_workers(client, pools):
+                    raise
+                if attempt == limit:
+                    raise IterationError(f"{exc} (gave up after cluster.max_restarts={limit} restarts)") from exc
+                trainer = published.get(pending.step) or folder.policy_store().ref(pending.step)
+                log.warning("%s; rebuilding every training rank from policy v%d and rerunning step %d "
+                            "(restart %d of %d)", exc, trainer.version, pending.step, attempt + 1, limit)
+                later = list(in_flight)
+                for q in (pending, *later):
+                    q.cancel()
+                pools = restart_train_workers(client, cfg, pools)
+                _init_ranks(client, cfg, pools, trainer)
+                pending = submit_iteration(client, cfg, pools, folder, pending.step, pending.policy,
+                                           attempt=attempt + 1)
+                in_flight.clear()
+                prev = pending.train_gate
+                for q in later:
+                    in_flight.append(submit_iteration(client, cfg, pools, folder, q.step, q.policy, prev,
+                                                      attempt=attempt + 1))
+                    prev = in_flight[-1].train_gate
+        raise AssertionError("unreachable")
+
     def finish_oldest() -> None:
         pending = in_flight.popleft()
         step = pending.step
@@ -231,7 +285,7 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
 
         handle = handles.pop(step)
         try:
-            result = finish_iteration(pending, on_stage=advance, timeout_s=cfg.cluster.iteration_timeout_s)
+            result = _finish_step(pending, advance)
         except BaseException:
             handle.end("FAILED")
             raise

@@ -54,6 +54,11 @@ class ClusterConfig:
     """torch threads of each training-rank task (train, reference, proximal)."""
     iteration_timeout_s: float = 900.0
     """An iteration whose stages have not all finished by then fails, naming the late stages."""
+    max_restarts: int = 2
+    """A step that loses a training worker is re-run, after every rank is rebuilt from the last
+    published version, at most this many times; then the run fails."""
+    worker_wait_s: float = 60.0
+    """Longest wait for workers to join: at start-up, and for restarted workers to come back."""
 
     def __post_init__(self) -> None:
         _require(self.colocated is None,
@@ -65,6 +70,8 @@ class ClusterConfig:
         _require(self.train_threads >= 1, f"cluster.train_threads={self.train_threads} must be >= 1")
         _require(self.num_plain_workers >= 0, "cluster.num_plain_workers must be >= 0")
         _require(self.iteration_timeout_s > 0, "cluster.iteration_timeout_s must be > 0")
+        _require(self.max_restarts >= 0, "cluster.max_restarts must be >= 0 (0: a lost training worker fails the run)")
+        _require(self.worker_wait_s > 0, "cluster.worker_wait_s must be > 0")
 
     @property
     def colocated_pools(self) -> bool:

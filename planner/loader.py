@@ -32,6 +32,7 @@ from planner.config import (
 )
 from planner.model import ModelShape, model_from_hf_config
 from flows.schema import ConfigError, GRPOConfig
+from storage.model_folder import ModelFolderError
 
 __all__ = ["plan_config_from_run", "plan_config_from_dict", "load_plan_config"]
 
@@ -69,15 +70,26 @@ def plan_config_from_dict(data: Mapping[str, Any], *, base_dir: str | Path = "."
 
     if not isinstance(data, Mapping):
         raise PlanConfigError("config: top level must be a mapping of sections")
+    data = _model_path_from(data, Path(base_dir))
     try:
         run = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(GRPOConfig), OmegaConf.create(dict(data))))
-    except ConfigError as exc:
+    except (ConfigError, ModelFolderError) as exc:
         raise PlanConfigError(str(exc)) from None
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None)
         raise PlanConfigError(f"{key + ': ' if key else ''}{str(exc).strip().splitlines()[0]}") from None
     assert isinstance(run, GRPOConfig)
     return plan_config_from_run(run, base_dir=base_dir)
+
+
+def _model_path_from(data: Mapping[str, Any], base_dir: Path) -> Mapping[str, Any]:
+    """``data`` with a relative model.path that names a folder beside the config file made absolute:
+    a plan reads the config from wherever it lies, the run from its working directory."""
+    model = data.get("model")
+    path = model.get("path") if isinstance(model, Mapping) else None
+    if not path or Path(path).is_absolute() or Path(path).exists() or not (base_dir / path).exists():
+        return data
+    return {**data, "model": {**model, "path": str((base_dir / path).resolve())}}
 
 
 def plan_config_from_run(run: GRPOConfig, *, base_dir: str | Path = ".") -> PlanConfig:

@@ -1,0 +1,94 @@
+"""A worker killed (SIGKILL) mid-run: the run finishes without a hang, no group is lost or
+duplicated, and a lost rollout engine changes nothing in the final weights."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+import pytest
+
+from benchmarks.faults import Trial, _Restarts, base_config, check_groups, final_sha, run_trial
+from flows.cluster import start_cluster
+from flows.config import load_config
+from flows.loop import run
+from flows.schema import ConfigError
+
+ITERATIONS = 3
+
+
+def test_max_restarts_must_not_be_negative():
+    with pytest.raises(ConfigError, match="cluster.max_restarts must be >= 0"):
+        load_config("configs/tiny.yaml", ["cluster.max_restarts=-1"])
+
+
+@pytest.fixture(scope="module")
+def cluster_run(tmp_path_factory):
+    """A shared embedded cluster and the fault-free run's final weights."""
+    cfg = base_config(str(tmp_path_factory.mktemp("runs")), ITERATIONS)
+    client, cluster = start_cluster(cfg)
+    cfg = replace(cfg, cluster=replace(cfg.cluster, scheduler_address=cluster.scheduler_address))
+    restarts = _Restarts()
+    logging.getLogger("flows.loop").addHandler(restarts)
+    try:
+        reference = replace(cfg, run_name="fault-free")
+        run(reference, progress=False)
+        assert check_groups(reference) == (0, 0, 0)
+        yield client, cfg, final_sha(reference), restarts
+    finally:
+        logging.getLogger("flows.loop").removeHandler(restarts)
+        client.close()
+        cluster.close()
+
+
+@pytest.mark.slow
+def test_killing_the_rollout_worker_mid_rollout_changes_nothing(cluster_run):
+    client, cfg, reference_sha, restarts = cluster_run
+    trial = run_trial(client, replace(cfg, run_name="kill-rollout"), Trial(0, "rollout-0", 1, "rollout", 0.0),
+                      reference_sha, restarts)
+    assert trial.killed_during == "step=1/rollout", trial
+    assert trial.finished, trial.error
+    assert (trial.lost_groups, trial.duplicated_groups, trial.incomplete_steps) == (0, 0, 0)
+    assert trial.restarts == 0  # the engine is replaced by Dask; the training ranks are untouched
+    assert trial.same_weights
+
+
+@pytest.mark.slow
+def test_killing_a_training_rank_mid_train_reruns_the_step(cluster_run):
+    client, cfg, reference_sha, restarts = cluster_run
+    trial = run_trial(client, replace(cfg, run_name="kill-train"), Trial(1, "train-1", 1, "train", 0.0),
+                      reference_sha, restarts)
+    assert trial.killed_during == "step=1/train", trial
+    assert trial.finished, trial.error
+    assert trial.restarts == 1, trial
+    assert (trial.lost_groups, trial.duplicated_groups, trial.incomplete_steps) == (0, 0, 0)
+    # No bound on the time beyond the run finishing: every wait is bounded by its own timeout.
+    assert trial.wall_s < cfg.cluster.iteration_timeout_s
+
+
+def _sleep(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+def test_the_timeout_message_names_the_late_stage_and_the_worker_it_waited_for():
+    from distributed import Client, LocalCluster
+
+    from flows.iteration import StageFutures, _late_message
+
+    with LocalCluster(n_workers=1, processes=False, threads_per_worker=1, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        (address,) = client.scheduler_info()["workers"]
+        running = client.submit(_sleep, 2.0, key="train-0-x", workers=[address])
+        starved = client.submit(_sleep, 0.0, key="rollout-0-x", resources={"rollout": 1})
+        time.sleep(0.5)  # the first task is on the worker by now
+        stages = {s: StageFutures(s) for s in ("rollout", "reward", "reference", "advantage", "train", "publish")}
+        stages["train"] = StageFutures("train", (running,))
+        message = _late_message(client, 3, stages, {running}, 60.0)
+        assert message == (f"step 3: stages train did not finish within cluster.iteration_timeout_s=60 s; "
+                           f"stage train waited for worker 0 ({address}) running train-0-x")
+        stages["rollout"] = StageFutures("rollout", (starved,))
+        message = _late_message(client, 3, stages, {running, starved}, 60.0)
+        assert message.startswith("step 3: stages rollout, train did not finish")
+        assert message.endswith("stage rollout waited for a worker with resource rollout for rollout-0-x (no-worker)")

@@ -317,12 +317,15 @@ def finish_iteration(pending: PendingIteration, on_stage: Callable[[str], None] 
 
     stage_seconds = {s: finished_at[s] - max((finished_at[d] for d in _AFTER[s] if d in finished_at), default=start)
                      for s in pending.names}
+    iteration_s = max(finished_at.values(), default=start) - start  # submission to the last stage's end
     skipped = frozenset(s.stage for s in stages.values() if s.gate is None)
     if skipped:  # a resumed step: the skipped stages' measurements were stored with their marks
         attrs = RolloutStore(pending.ref.root).attrs(step)
         for s in skipped:
             results[s] = [{"events": [], **r} if s == "train" else r for r in attrs.get(f"results_{s}", [])]
-    return _collect(step, results, stage_seconds, skipped)
+    result = _collect(step, results, stage_seconds, skipped)
+    result.metrics["iteration_seconds"] = iteration_s
+    return result
 
 
 def run_iteration(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, step: int,
@@ -348,6 +351,9 @@ def _collect(step: int, values: dict[str, list], stage_seconds: dict[str, float]
         m["rollout_tokens_per_s"] = m["rollout_tokens"] / max(max(r["rollout_seconds"] for r in roll), 1e-9)
         m["kv_cache_bytes"] = sum(r["kv_cache_bytes"] for r in roll)
         m["weight_load_seconds"] = max(r["weight_load_seconds"] for r in roll)
+        m["rollout_compute_seconds"] = max(r["rollout_seconds"] for r in roll)  # generate() alone
+    if values.get("reference"):
+        m["reference_compute_seconds"] = max(r["reference_seconds"] for r in values["reference"])
     if values["reward"]:
         m["reward_failed"] = sum(r["reward_failed"] for r in values["reward"])
     for r in values["advantage"]:
@@ -367,6 +373,9 @@ def _collect(step: int, values: dict[str, list], stage_seconds: dict[str, float]
             m.update({k: v for k, v in r["metrics"].items() if k.startswith(("activation_bytes", "peak_inflight"))})
         m["bubble_fraction"] = sum(r["metrics"]["bubble_fraction"] for r in trains) / len(trains)
         m["train_step_seconds"] = max(r["metrics"]["step_seconds"] for r in trains)
+        # Pipeline passes of the step and token slots processed per real token (length buckets).
+        m.update({k: trains[0]["metrics"][k] for k in ("train_passes", "train_token_slots_per_real_token")
+                  if k in trains[0]["metrics"]})
         m["publish_bytes"] = sum(r["shard_bytes"] for r in trains)
         m["publish_write_seconds"] = max(r["shard_seconds"] for r in trains)
         origin = min((e["ts"] for e in events if "ts" in e), default=0)
@@ -450,6 +459,9 @@ def _collect(step: int, values: dict[str, list], stage_seconds: dict[str, float]
         m["rollout_tokens_per_s"] = m["rollout_tokens"] / max(max(r["rollout_seconds"] for r in roll), 1e-9)
         m["kv_cache_bytes"] = sum(r["kv_cache_bytes"] for r in roll)
         m["weight_load_seconds"] = max(r["weight_load_seconds"] for r in roll)
+        m["rollout_compute_seconds"] = max(r["rollout_seconds"] for r in roll)  # generate() alone
+    if values.get("reference"):
+        m["reference_compute_seconds"] = max(r["reference_seconds"] for r in values["reference"])
     if values["reward"]:
         m["reward_failed"] = sum(r["reward_failed"] for r in values["reward"])
     for r in values["advantage"]:
@@ -469,6 +481,9 @@ def _collect(step: int, values: dict[str, list], stage_seconds: dict[str, float]
             m.update({k: v for k, v in r["metrics"].items() if k.startswith(("activation_bytes", "peak_inflight"))})
         m["bubble_fraction"] = sum(r["metrics"]["bubble_fraction"] for r in trains) / len(trains)
         m["train_step_seconds"] = max(r["metrics"]["step_seconds"] for r in trains)
+        # Pipeline passes of the step and token slots processed per real token (length buckets).
+        m.update({k: trains[0]["metrics"][k] for k in ("train_passes", "train_token_slots_per_real_token")
+                  if k in trains[0]["metrics"]})
         m["publish_bytes"] = sum(r["shard_bytes"] for r in trains)
         m["publish_write_seconds"] = max(r["shard_seconds"] for r in trains)
         origin = min(e["ts"] for e in events if "ts" in e)

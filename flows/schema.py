@@ -48,10 +48,13 @@ class ClusterConfig:
     workers."""
     colocated: Optional[bool] = None
     """Replaced by cluster.placement; setting it is an error that names the new key."""
-    rollout_threads: int = 1
-    """torch threads of each rollout task (torch.set_num_threads on the worker)."""
-    train_threads: int = 1
-    """torch threads of each training-rank task (train, reference, proximal)."""
+    rollout_threads: int = 0
+    """torch threads of each rollout task; 0 (auto): this host's cores shared by the workers busy
+    while rollouts run (the engines, plus the training ranks when steps overlap), at least 1
+    (flows/tasks.py ``phase_threads``)."""
+    train_threads: int = 0
+    """torch threads of each training-rank task (train, reference, proximal); 0 (auto): the cores
+    shared by the training ranks (plus the engines when steps overlap), at least 1."""
     iteration_timeout_s: float = 900.0
     """An iteration whose stages have not all finished by then fails, naming the late stages."""
     max_restarts: int = 2
@@ -66,8 +69,8 @@ class ClusterConfig:
                  f"{'colocated' if self.colocated else 'decoupled'} instead")
         _require(self.placement in PLACEMENTS,
                  f"cluster.placement={self.placement!r} is not one of {', '.join(PLACEMENTS)}")
-        _require(self.rollout_threads >= 1, f"cluster.rollout_threads={self.rollout_threads} must be >= 1")
-        _require(self.train_threads >= 1, f"cluster.train_threads={self.train_threads} must be >= 1")
+        _require(self.rollout_threads >= 0, f"cluster.rollout_threads={self.rollout_threads} must be >= 0 (0: auto)")
+        _require(self.train_threads >= 0, f"cluster.train_threads={self.train_threads} must be >= 0 (0: auto)")
         _require(self.num_plain_workers >= 0, "cluster.num_plain_workers must be >= 0")
         _require(self.iteration_timeout_s > 0, "cluster.iteration_timeout_s must be > 0")
         _require(self.max_restarts >= 0, "cluster.max_restarts must be >= 0 (0: a lost training worker fails the run)")

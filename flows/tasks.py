@@ -31,7 +31,7 @@ from storage.run_folder import RunFolder
 __all__ = [
     "TRAIN_FAULT_ENV", "exit_with_parent", "worker_ready", "make_base_policy", "init_train_rank",
     "shutdown_train_rank", "mark_stage_complete", "rollout_task", "score_task", "reference_task", "proximal_task",
-    "advantage_task", "train_task", "publish_task",
+    "advantage_task", "train_task", "publish_task", "phase_threads",
 ]
 
 # Worker-process registries (see the module docstring).
@@ -42,8 +42,32 @@ _CODECS: dict[tuple[str, bool], TextCodec] = {}
 _SOURCES: dict[str, PromptSource] = {}
 
 
-def _threads(n: int = 1) -> None:
-    """torch threads of this worker's tasks (cluster.rollout_threads / cluster.train_threads)."""
+def phase_threads(cfg: GRPOConfig, phase: str, cores: int | None = None) -> int:
+    """Torch threads of one task of ``phase``: "rollout", "train" (training, reference and proximal
+    passes) or anything else (reward scoring and IO: Python work that intra-op threads do not
+    speed up, 1). cluster.rollout_threads / train_threads > 0 fix the count. Auto (0): the host's
+    cores divided by the workers busy at that time. In the synchronous loop the training ranks wait
+    while the engines generate and the engines wait while the ranks train, so each phase shares
+    the cores among its own workers; with steps overlapping (rollout.max_staleness >= 1) both pools
+    run at once and share them. Deterministic for a given host and config, so two runs of one
+    config on one machine compute with the same thread counts."""
+    if phase not in ("rollout", "train"):
+        return 1
+    fixed = cfg.cluster.rollout_threads if phase == "rollout" else cfg.cluster.train_threads
+    if fixed > 0:
+        return fixed
+    cores = cores or len(os.sched_getaffinity(0))
+    engines, ranks = cfg.rollout.num_engines, cfg.train.world_size
+    if cfg.cluster.placement == "colocated" or cfg.rollout.max_staleness >= 1:
+        busy = max(engines, ranks) if cfg.cluster.placement == "colocated" else engines + ranks
+    else:
+        busy = engines if phase == "rollout" else ranks
+    return max(1, cores // max(busy, 1))
+
+
+def _threads(cfg: GRPOConfig | None = None, phase: str = "") -> None:
+    """Set this worker's torch threads for a task of ``phase`` (:func:`phase_threads`)."""
+    n = 1 if cfg is None else phase_threads(cfg, phase)
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
 
@@ -127,7 +151,7 @@ def init_train_rank(cfg: GRPOConfig, rank: int, init_method: str, policy: Policy
     """Build this worker's training rank (global rank ``rank`` of the pp x dp x tp mesh) from a policy
     version and the optimiser state saved with it; the frozen reference is ``reference`` (the run's
     v0; default: ``policy``). It stays for the whole run."""
-    _threads(cfg.cluster.train_threads)
+    _threads(cfg, "train")
     shutdown_train_rank(cfg.run_name)
     hf_config, _, _ = load_model_folder(policy.path, names=set())
     model_cfg = DecoderConfig.from_hf(hf_config)
@@ -189,7 +213,7 @@ def rollout_task(cfg: GRPOConfig, ref: StepRef, policy: PolicyRef, prompt_start:
                  engine_key: str) -> dict[str, float]:
     """Generate G completions for prompts [prompt_start, prompt_stop) of the step; write their rows."""
     t_start = time.time()
-    _threads(cfg.cluster.rollout_threads)
+    _threads(cfg, "rollout")
     store = RolloutStore(ref.root)
     model, codec, load_s = _rollout_model(cfg, engine_key, policy)
     _check_engine_version(engine_key, store.attrs(ref.step)["policy_version"])
@@ -250,7 +274,7 @@ def reference_task(cfg: GRPOConfig, ref: StepRef, *deps) -> dict[str, float]:
     """Forward-only pipeline pass of the frozen reference on every training rank; the rank holding
     the gathered log-probs (last stage, dp = tp = 0) writes ref_logp."""
     t_start = time.time()
-    _threads(cfg.cluster.train_threads)
+    _threads(cfg, "train")
     engine = _rank(cfg.run_name)
     t0 = time.perf_counter()
     store = RolloutStore(ref.root)
@@ -266,7 +290,7 @@ def proximal_task(cfg: GRPOConfig, ref: StepRef, *deps) -> dict[str, float]:
     """Forward-only pass of the trainer's current weights (before this step's update) on every
     training rank; the output rank writes prox_logp, decoupled PPO's clip anchor."""
     t_start = time.time()
-    _threads(cfg.cluster.train_threads)
+    _threads(cfg, "train")
     engine = _rank(cfg.run_name)
     store = RolloutStore(ref.root)
     a = _read_sequences(store, ref.step)
@@ -292,7 +316,7 @@ def advantage_task(cfg: GRPOConfig, ref: StepRef, *deps) -> dict[str, float]:
 def train_task(cfg: GRPOConfig, ref: StepRef, folder: RunFolder, new_version: int, *deps) -> dict:
     """One optimiser step on this rank, then write this rank's shard of the new policy version."""
     t_start = time.time()
-    _threads(cfg.cluster.train_threads)
+    _threads(cfg, "train")
     engine = _rank(cfg.run_name)
     store = RolloutStore(ref.root)
     a = _read_sequences(store, ref.step, proximal="proximal" in store.completed(ref.step))

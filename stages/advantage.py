@@ -36,28 +36,31 @@ def trained_samples(valid: _Array, group_size: int) -> _Array:
     return (grouped & enough).reshape(-1)
 
 
-def normalize_advantages(rewards: da.Array, group_size: int, cfg: AdvantageConfig,
-                         valid: Optional[da.Array] = None) -> da.Array:
+def normalize_advantages(rewards: _Array, group_size: int, cfg: AdvantageConfig,
+                         valid: Optional[_Array] = None) -> _Array:
     """rewards: [num_samples] with chunks that are multiples of group_size -> advantages [num_samples].
 
     valid: [num_samples] bool, chunked like rewards (``~reward_failed``); None: every sample is valid.
     Samples outside :func:`trained_samples` get 0, whatever their stored reward (NaN included).
+    numpy in, numpy out (a step's rewards fit in memory: no task graph to build); dask in, dask out.
     """
     if rewards.shape[0] % group_size:
         raise ValueError(f"{rewards.shape[0]} rewards do not form whole groups of {group_size}")
-    if any(c % group_size for c in rewards.chunks[0]):
+    xp = da if isinstance(rewards, da.Array) else np
+    if xp is da and any(c % group_size for c in rewards.chunks[0]):
         raise ValueError(f"reward chunks {rewards.chunks[0]} split a group of {group_size}")
     if valid is None:
-        valid = da.ones(rewards.shape, dtype=bool, chunks=rewards.chunks)
-    elif valid.shape != rewards.shape or valid.chunks != rewards.chunks:
-        raise ValueError(f"validity {valid.shape} in chunks {valid.chunks[0]} must match the rewards "
-                         f"{rewards.shape} in chunks {rewards.chunks[0]}")
+        valid = (da.ones(rewards.shape, dtype=bool, chunks=rewards.chunks) if xp is da
+                 else np.ones(rewards.shape, dtype=bool))
+    elif valid.shape != rewards.shape or getattr(valid, "chunks", None) != getattr(rewards, "chunks", None):
+        raise ValueError(f"validity {valid.shape} in chunks {getattr(valid, 'chunks', None)} must match the "
+                         f"rewards {rewards.shape} in chunks {getattr(rewards, 'chunks', None)}")
     keep = trained_samples(valid, group_size).reshape(-1, group_size)  # (num_groups, G)
-    count = da.maximum(keep.sum(axis=1, keepdims=True), 1)  # (num_groups, 1); >= 2 where any is kept
+    count = xp.maximum(keep.sum(axis=1, keepdims=True), 1)  # (num_groups, 1); >= 2 where any is kept
     # Selected, never multiplied: a failed sample's reward may be NaN.
-    grouped = da.where(keep, rewards.astype(np.float64).reshape(-1, group_size), 0.0)
-    centred = da.where(keep, grouped - grouped.sum(axis=1, keepdims=True) / count, 0.0)
+    grouped = xp.where(keep, rewards.astype(np.float64).reshape(-1, group_size), 0.0)
+    centred = xp.where(keep, grouped - grouped.sum(axis=1, keepdims=True) / count, 0.0)
     if cfg.estimator == "grpo":
-        std = da.sqrt((centred ** 2).sum(axis=1, keepdims=True) / count)
+        std = xp.sqrt((centred ** 2).sum(axis=1, keepdims=True) / count)
         centred = centred / (std + cfg.eps)
     return centred.reshape(-1).astype(np.float32)

@@ -99,3 +99,23 @@ def test_validity_chunked_unlike_rewards_is_refused():
     with pytest.raises(ValueError, match="validity"):
         normalize_advantages(da.from_array(np.zeros(8, np.float32), chunks=4), 4, AdvantageConfig(),
                              valid=da.from_array(np.ones(8, bool), chunks=8))
+
+
+# -- numpy in, numpy out (the flow's advantage task: no task graph for a step's few rewards) -----
+@settings(max_examples=30, deadline=None)
+@given(num_groups=st.integers(1, 12), group_size=st.integers(2, 9),
+       estimator=st.sampled_from(["grpo", "dr_grpo"]), seed=st.integers(0, 10_000))
+def test_numpy_input_matches_reference(num_groups, group_size, estimator, seed):
+    rng = np.random.default_rng(seed)
+    rewards = rng.choice([0.0, 0.5, 1.0], size=num_groups * group_size).astype(np.float32)
+    cfg = AdvantageConfig(estimator=estimator)
+    got = normalize_advantages(rewards, group_size, cfg)
+    assert isinstance(got, np.ndarray) and got.dtype == np.float32
+    np.testing.assert_allclose(got, numpy_advantages(rewards, group_size, estimator, cfg.eps), rtol=1e-5, atol=1e-6)
+
+
+def test_numpy_input_failed_samples_by_hand():
+    rewards = np.array([1, 0, np.nan, 1, 0.5, np.nan, 7, 3, 0, 0, 1, 1], dtype=np.float32)
+    failed = np.array([0, 0, 1, 0, 0, 1, 1, 1, 0, 0, 0, 0], dtype=bool)
+    got = normalize_advantages(rewards, 4, AdvantageConfig(), valid=~failed)  # the numbers worked out above
+    np.testing.assert_allclose(got, [0.707107, -1.414214, 0, 0.707107, 0, 0, 0, 0, -1, -1, 1, 1], atol=1e-5)

@@ -229,3 +229,16 @@ def test_dask_round_trip_and_a_misfit_leaves_the_array_unchanged(tmp_path):
     with pytest.raises(RolloutStoreError, match="advantage"):
         store.write_dask(0, "advantage", da.zeros(len(rewards) + 1, chunks=8))
     np.testing.assert_array_equal(store.read(0, "advantage")["advantage"], rewards * 2)
+
+
+def test_cached_handles_follow_a_recreated_step(tmp_path):
+    """A step recreated with another layout is written and read at its new shape (no stale handle)."""
+    small, big = make_layout(), make_layout(num_prompts=10, groups_per_chunk=5)
+    store = make_store(tmp_path, layout=small)
+    store.write(0, "reward", make_values("reward", small))
+    assert store.read(0, "reward")["reward"].shape == (small.num_samples,)
+    store.create_step(0, big, policy_version=3, config_hash="cfg-new")
+    values = make_values("reward", big, seed=1)
+    store.write(0, "reward", values)
+    np.testing.assert_array_equal(store.read(0, "reward")["reward"], values)
+    np.testing.assert_array_equal(RolloutStore(store.root).read(0, "length")["length"], 0)  # fresh arrays

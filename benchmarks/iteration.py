@@ -1,0 +1,192 @@
+"""Whole-iteration benchmark: ``grpoflow run`` against a single-process GRPO loop on the same model.
+
+The baseline is the same iteration with nothing but compute: one process, a plain loop, no Dask,
+no Zarr, no MLflow, no pipeline. It generates with the project's engine (stages/rollout), scores
+with the project's reward, takes the project's advantages, runs the frozen reference over the
+step's batch (the same microbatch layout, length buckets included) and takes one AdamW step on the
+project's GRPO loss, on every core the process has (grpoflow's thread rule). grpoflow runs the configured pipeline on
+its embedded Dask cluster from the same base policy.
+
+The two alternate, several repetitions each (the machine is shared: compare ratios, not seconds).
+Per run, the first iteration is dropped (cluster and pipeline warm-up) and the median of the rest
+is kept. Scenarios:
+
+- tiny: configs/tiny.yaml as shipped (64 prompts x G 8, 6 new tokens, PP 2).
+- bench: hidden 512, 8 layers, 16 prompts x G 8, up to 64 new tokens, PP 2, length buckets, packed.
+  Policy v0 is the untrained model (warmup.steps=0): EOS has probability ~1/vocab per token, so
+  completion lengths spread geometrically, mean ~16 of 64.
+
+    python benchmarks/iteration.py --scenario tiny --reps 3 --iterations 4
+    python benchmarks/iteration.py --scenario bench --reps 2 --iterations 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from flows.config import load_config
+from flows.loop import run, run_folder
+from flows.schema import GRPOConfig
+from flows.tasks import phase_threads
+from stages.advantage import normalize_advantages
+from stages.policy import DecoderConfig, build_stage, load_hf_state
+from stages.policy.tokenizer import TextCodec
+from stages.rollout.rows import generate_rows
+from stages.steps import reward_statistics, score_rows, train_setup
+from stages.data import open_prompt_source
+from stages.train.batch import BucketedBatch, build_global_batch
+from stages.train.loss import TARGET_FIELDS, grpo_microbatch_loss, token_logp
+from storage.policies import load_model_folder
+
+_NEXT = TARGET_FIELDS.index("next_id")
+
+SCENARIOS: dict[str, list[str]] = {
+    "tiny": [],
+    "bench": ["model.hidden_size=512", "model.intermediate_size=1376", "model.num_hidden_layers=8",
+              "model.num_attention_heads=8", "model.num_key_value_heads=4", "task.prompts_per_step=16",
+              "rollout.max_new_tokens=64", "warmup.steps=0", "train.micro_batch_size=8",
+              "train.length_buckets=[16,32,71]", "train.packing=true"],
+}
+
+
+def scenario_config(name: str, runs_dir: str, run_name: str, iterations: int, extra: list[str]) -> GRPOConfig:
+    return load_config("configs/tiny.yaml", [*SCENARIOS[name], f"iterations={iterations}", f"run_name={run_name}",
+                                             f"runs_dir={runs_dir}", *extra])
+
+
+def grpoflow_iterations(cfg: GRPOConfig) -> list[dict[str, float]]:
+    """Per-step metrics of one ``grpoflow run`` (a fresh run folder each time)."""
+    return run(cfg, progress=False).metrics
+
+
+def _passes(batch):
+    return getattr(batch, "passes", (batch,))
+
+
+def baseline_iterations(cfg: GRPOConfig, policy_path: str) -> list[dict[str, float]]:
+    """The same iterations in this process, plain (see the module docstring); per-step seconds."""
+    # Every core the process has, by grpoflow's own rule for one busy engine (1 on an oversubscribed
+    # host, where more intra-op threads only wait on each other: docs/performance.md).
+    torch.set_num_threads(phase_threads(cfg, "rollout"))
+    hf_config, tokenizer_json, tensors = load_model_folder(policy_path)
+    model_cfg = DecoderConfig.from_hf(hf_config)
+    policy, reference = build_stage(model_cfg), build_stage(model_cfg)
+    load_hf_state(policy, tensors)
+    load_hf_state(reference, tensors)
+    reference.requires_grad_(False).eval()
+    codec = TextCodec.from_policy_folder(policy_path, cfg.dataset.chat_template)
+    source = open_prompt_source(cfg.dataset, codec, cfg.task.prompts_per_step)
+    t, G = cfg.train, cfg.rollout.group_size
+    loss_cfg = train_setup(t, model_cfg, cfg.num_microbatches, cfg.rollout.temperature).loss
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    pad, layout = model_cfg.pad_token_id or 0, cfg.microbatch_layout
+    out = []
+    for step in range(cfg.iterations):
+        t0 = time.perf_counter()
+        policy.eval()
+        records = source.records(step)
+        rows = generate_rows(policy, codec, [r.prompt_ids for r in records], cfg.rollout, seed=cfg.seed, step=step,
+                             prompt_start=0, prompts_per_step=cfg.task.prompts_per_step, prompt_width=cfg.prompt_width,
+                             policy_version=step)
+        t1 = time.perf_counter()
+        a = dict(rows.arrays)
+        scored = score_rows(codec, a, records, G, cfg.reward)
+        a["reward"] = scored.reward
+        a["advantage"] = normalize_advantages(scored.reward, G, cfg.advantage)
+        a["ref_logp"] = np.zeros_like(a["behav_logp"])
+        t2 = time.perf_counter()
+        batch = build_global_batch(a, t.loss_aggregation, pad, layout)
+        with torch.no_grad():
+            ref = [token_logp(reference(p.input_ids, **p.stage_kwargs()), p.target[..., _NEXT].long(),
+                              loss_cfg.temperature) for p in _passes(batch)]
+        a["ref_logp"] = batch.completion_values(ref if isinstance(batch, BucketedBatch) else ref[0])
+        t3 = time.perf_counter()
+        batch = build_global_batch(a, t.loss_aggregation, pad, layout)
+        policy.train()
+        optimizer.zero_grad(set_to_none=True)
+        for p in _passes(batch):  # every loss weight is global: the passes' gradients add up exactly
+            loss, _ = grpo_microbatch_loss(policy(p.input_ids, **p.stage_kwargs()), p.target, loss_cfg)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), t.max_grad_norm)
+        optimizer.step()
+        t4 = time.perf_counter()
+        out.append({"iteration_seconds": t4 - t0, "rollout_seconds": t1 - t0, "reward_advantage_seconds": t2 - t1,
+                    "reference_seconds": t3 - t2, "train_seconds": t4 - t3,
+                    "train_token_slots_per_real_token": float(batch.slots_per_real_token),
+                    "train_passes": float(len(_passes(batch))),
+                    **reward_statistics(scored.reward, a["length"], G)})
+    return out
+
+
+def _median_after_first(steps: list[dict[str, float]], key: str) -> float:
+    values = [s[key] for s in steps[1:] if key in s] or [s[key] for s in steps if key in s]
+    return statistics.median(values) if values else float("nan")
+
+
+_FLOW_KEYS = ("iteration_seconds", "rollout_seconds", "rollout_compute_seconds", "reward_seconds",
+              "reference_seconds", "reference_compute_seconds", "advantage_seconds", "train_seconds",
+              "train_step_seconds", "publish_seconds", "step_create_seconds", "submit_seconds",
+              "train_token_slots_per_real_token", "train_passes",
+              "completion_length_mean")
+_BASE_KEYS = ("iteration_seconds", "rollout_seconds", "reward_advantage_seconds", "reference_seconds",
+              "train_seconds", "train_token_slots_per_real_token", "train_passes")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--scenario", choices=sorted(SCENARIOS), default="tiny")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--iterations", type=int, default=4, help="per run; the first is dropped")
+    p.add_argument("--runs-dir", default=None, help="default: a temporary folder (the base-policy cache is kept "
+                   "there across repetitions)")
+    p.add_argument("--json", default=None, help="also write the raw per-rep numbers here")
+    p.add_argument("overrides", nargs="*", help="key=value on top of the scenario")
+    args = p.parse_args()
+    runs_dir = args.runs_dir or tempfile.mkdtemp(prefix="iteration-bench-")
+    reps = []
+    for rep in range(args.reps):
+        cfg = scenario_config(args.scenario, runs_dir, f"{args.scenario}-{rep}", args.iterations, args.overrides)
+        order = ("flow", "base") if rep % 2 == 0 else ("base", "flow")
+        row: dict[str, dict[str, float]] = {}
+        for which in order:  # rep 0 runs grpoflow first: it writes the base policy both start from
+            if which == "flow":
+                steps = grpoflow_iterations(cfg)
+                row["flow"] = {k: _median_after_first(steps, k) for k in _FLOW_KEYS}
+            else:
+                # Policy v0 of a grpoflow run folder: the same base model (written by the first run).
+                base = scenario_config(args.scenario, runs_dir, f"{args.scenario}-0", args.iterations, args.overrides)
+                steps = baseline_iterations(cfg, str(run_folder(base).policy_store().version_path(0)))
+                row["base"] = {k: _median_after_first(steps, k) for k in _BASE_KEYS}
+        row["ratio"] = {"flow_over_base": row["flow"]["iteration_seconds"] / row["base"]["iteration_seconds"]}
+        reps.append(row)
+        print(f"rep {rep}: grpoflow {row['flow']['iteration_seconds']:.3f} s/it, "
+              f"baseline {row['base']['iteration_seconds']:.3f} s/it, ratio {row['ratio']['flow_over_base']:.2f}",
+              flush=True)
+    _report(args.scenario, reps)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(reps, fh, indent=1)
+
+
+def _report(scenario: str, reps: list[dict]) -> None:
+    med = {w: {k: statistics.median(r[w][k] for r in reps) for k in reps[0][w]} for w in ("flow", "base")}
+    ratios = [r["ratio"]["flow_over_base"] for r in reps]
+    f, b = med["flow"], med["base"]
+    compute = f["rollout_compute_seconds"] + f["reference_compute_seconds"] + f["train_step_seconds"]
+    print(f"\n{scenario}: medians over {len(reps)} reps")
+    print(f"grpoflow / baseline iteration seconds: {statistics.median(ratios):.2f} "
+          f"(per rep {', '.join(f'{x:.2f}' for x in ratios)})")
+    print("grpoflow: " + ", ".join(f"{k} {v:.3f}" for k, v in f.items()))
+    print(f"grpoflow outside rollout/reference/train compute: {1 - compute / f['iteration_seconds']:.1%}")
+    print("baseline: " + ", ".join(f"{k} {v:.3f}" for k, v in b.items()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""How many torch threads each phase's tasks get (flows/tasks.py phase_threads), worked by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from flows.config import load_config
+from flows.tasks import phase_threads
+
+
+@pytest.mark.parametrize("overrides, cores, rollout, train", [
+    ([], 2, 2, 1),  # sync, decoupled: 1 engine takes both cores; 2 ranks share them
+    ([], 8, 8, 4),
+    (["rollout.max_staleness=1"], 2, 1, 1),  # steps overlap: 1 engine + 2 ranks busy at once
+    (["rollout.max_staleness=1"], 6, 2, 2),
+    (["cluster.placement=colocated"], 4, 2, 2),  # one pool: max(1 engine, 2 ranks) workers
+    (["cluster.rollout_threads=3", "cluster.train_threads=1"], 8, 3, 1),  # fixed counts win
+])
+def test_threads_per_phase(overrides, cores, rollout, train):
+    cfg = load_config("configs/tiny.yaml", overrides)
+    assert phase_threads(cfg, "rollout", cores) == rollout
+    assert phase_threads(cfg, "train", cores) == train
+    assert phase_threads(cfg, "reward", cores) == 1

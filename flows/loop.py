@@ -305,7 +305,9 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
             handle.log_policy(result.policy.version, result.policy.path, result.policy.sha256)
             handle.log_rollouts(store.ref(step).path, store.digest(step), step_array_specs(folder.rollouts, step))
             codec = TextCodec.from_policy_folder(result.policy.path, cfg.dataset.chat_template)
-            handle.log_samples(load_sample_table(folder.rollouts, step, codec.decode, cfg.mlflow.sample_groups))
+            table = load_sample_table(folder.rollouts, step, codec.decode, max(cfg.mlflow.sample_groups, 1))
+            if cfg.mlflow.sample_groups:
+                handle.log_samples(table)
             handle.log_artifact(trace_path, "timelines")
         result.metrics["lineage_seconds"] = time.perf_counter() - t0
         # Written last: the step's metrics for summary.json, and the mark that it needs no rerun.
@@ -318,6 +320,10 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
             lineage.log_plots(save_run_plots([{"step": r.step, **r.metrics} for r in results],
                                              folder.plots, STAGES))
         outer.set_postfix(reward=f"{result.metrics.get('reward_mean', float('nan')):.3f}")
+        if step % cfg.mlflow.plot_every_steps == 0 and table["id"]:  # one decoded example now and then
+            tqdm.write(f"{table['id'][0]} (policy v{table['policy_version'][0]}): {table['prompt'][0]!r} -> "
+                       f"{table['completion'][0]!r}, reward {table['reward'][0]:.2f}, "
+                       f"advantage {table['advantage'][0]:+.2f}")
 
     for step in range(first_step, cfg.iterations):
         # Step k waits for step k - s - 1, which publishes the version k asks for.

@@ -88,7 +88,8 @@ class MlflowConfig:
     """MLflow tracking URI; unset means sqlite in the run folder (runs/<run_name>/mlflow.db)."""
     experiment: str = "grpoflow"
     plot_every_steps: int = 10
-    """Redraw the parent run's reward, stage-seconds and bubble plots every this many steps (and at the end)."""
+    """Redraw the parent run's reward, stage-seconds and bubble plots every this many steps (and at
+    the end), and print one decoded sample in the terminal as often."""
     sample_groups: int = 2
     """Groups of decoded samples (prompt, completion, reward, advantage) in each step's table; 0: none."""
 

@@ -21,7 +21,7 @@ from stages.policy.tokenizer import TextCodec
 from stages.tasks.addition import make_tokenizer_json
 from storage.policies import PolicyStore, load_model_folder
 
-transformers = pytest.importorskip("transformers")
+import transformers  # a test dependency: these parity tests fail, never skip, without it
 
 _PARITY_ATOL = 1e-4  # fp32 logits of two implementations of the same maths
 _WEIGHT_STD = 0.2  # every tensor random and far from HF's init (zero biases, unit norms hide bugs)

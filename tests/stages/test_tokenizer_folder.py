@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from stages.policy.tokenizer import TextCodec, TokenizerFolderError
 from stages.tasks.addition import make_tokenizer_json
 
-transformers = pytest.importorskip("transformers")
+import transformers  # a test dependency: these parity tests fail, never skip, without it
 
 _SENTENCES = [
     "Tom has 3 apples and buys 4 more. How many apples does he have?",

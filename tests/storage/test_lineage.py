@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-mlflow = pytest.importorskip("mlflow")
+import mlflow
 
 from storage.lineage import (EXPERIMENT_KIND_TAG, Lineage, experiment_page, git_commit, iteration_runs,  # noqa: E402
                              ui_command)

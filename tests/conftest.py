@@ -57,8 +57,10 @@ def decoder_config():
     return make_decoder_config()
 
 
-@pytest.fixture(autouse=True, scope="session")
+@pytest.fixture(autouse=True)
 def _one_torch_thread():
-    # Tiny tensors: a thread pool only adds contention on a shared 2-core machine.
+    # Tiny tensors: a thread pool only adds contention on a shared 2-core machine. Reset before
+    # every test: a task function run in this process (flows/tasks.py) sets its phase's threads,
+    # and a single-process reference computed on 2 threads rounds differently from 1-thread ranks.
     torch.set_num_threads(1)
     yield

@@ -15,6 +15,7 @@ from planner.memory import estimate_stage_parameters
 from planner.model import ModelShape
 from planner.training import estimate_stage_layout
 from flows.schema import GRPOConfig
+from stages.data import DatasetConfig
 from stages.config import ConfigError, ModelConfig, RolloutConfig as RunRolloutConfig, TaskConfig
 from stages.config import TrainConfig as RunTrainConfig
 from stages.layout import SCHEDULES, ParallelLayout
@@ -38,7 +39,7 @@ def _runtime_error(x: dict) -> str | None:
     """The run config's verdict (GRPOConfig.__post_init__ -> _check_parallel_layout)."""
     try:
         GRPOConfig(
-            task=TaskConfig(num_digits=1, prompts_per_step=x["m"]),
+            task=TaskConfig(prompts_per_step=x["m"]), dataset=DatasetConfig(num_digits=1),
             model=ModelConfig(hidden_size=2 * x["heads"], intermediate_size=x["ffn"], num_hidden_layers=x["layers"],
                               num_attention_heads=x["heads"], num_key_value_heads=x["kv"]),
             rollout=RunRolloutConfig(group_size=_GROUP, max_new_tokens=1),

@@ -118,8 +118,9 @@ def test_rerun_resumes_after_the_last_published_step(finished_run):
         "iterations=3", "run_name=e2e", f"runs_dir={run_dir.parent}", "warmup.steps=30",
         "task.prompts_per_step=8", "train.micro_batch_size=16"])
     resumed = run(more, progress=False)
-    assert [m["step"] for m in resumed.metrics] == [1, 2]
-    assert "loss" not in resumed.metrics[0] and "loss" in resumed.metrics[1]  # step 1 was not trained again
+    assert [m["step"] for m in resumed.metrics] == [0, 1, 2]  # summary.json covers every step of the run
+    # Step 1 was not trained again: its training results are the ones stored with its train mark.
+    assert resumed.metrics[1]["loss"] == summary.metrics[1]["loss"] and "loss" in resumed.metrics[2]
     assert policies.ref(2).sha256 == sha_v2  # v2 published from the shards step 1 wrote
     assert store.attrs(2)["policy_version"] == 2 and STAGES <= store.completed(2)
     assert policies.is_complete(3)

@@ -1,6 +1,8 @@
 """A user's own data, model and reward, end to end: the shipped word problems (JSONL), an HF model
-folder made with transformers (random weights, a BPE tokenizer with a chat template) and a reward
-function given by import path, trained for two iterations through the real Dask cluster."""
+folder made with transformers (random weights of a Llama-3.1-style model with llama3 RoPE scaling, or a
+Qwen3-style one with q/k norms, and a BPE tokenizer with a chat template) and a reward function given
+by import path, trained for two iterations through the real Dask cluster; the saved versions load
+back in transformers."""
 
 from __future__ import annotations
 
@@ -35,7 +37,19 @@ _REWARD = '''
 '''
 
 
-def _model_folder(root: Path) -> Path:
+def _model_config(kind: str, vocab_size: int, eos: int, pad: int):
+    """A tiny random-weight config of a real family: Llama 3.1 (llama3 RoPE scaling) or Qwen3 (q/k norms)."""
+    sizes = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+                 eos_token_id=eos, pad_token_id=pad)
+    if kind == "llama3.1":
+        return transformers.LlamaConfig(**sizes, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32})
+    return transformers.Qwen3Config(**sizes, head_dim=8)
+
+
+def _model_folder(root: Path, kind: str) -> Path:
     folder = root / "my-model"
     folder.mkdir()
     texts = [json.loads(line)["prompt"] for line in DATA.read_text().splitlines()]
@@ -49,20 +63,18 @@ def _model_folder(root: Path) -> Path:
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>", "chat_template": _TEMPLATE}))
-    config = transformers.Qwen2Config(
-        vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
-        eos_token_id=tok.token_to_id("<|im_end|>"), pad_token_id=tok.token_to_id("<|endoftext|>"))
+    config = _model_config(kind, tok.get_vocab_size(), tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>"))
     torch.manual_seed(0)
-    transformers.Qwen2ForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder, safe_serialization=True)
     return folder
 
 
-def test_train_on_my_jsonl_model_and_reward(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["llama3.1", "qwen3"])
+def test_train_on_my_jsonl_model_and_reward(tmp_path, monkeypatch, kind):
     (tmp_path / "my_rewards.py").write_text(textwrap.dedent(_REWARD))
     monkeypatch.syspath_prepend(str(tmp_path))  # the driver checks the reward when the config loads
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # workers and the reward process import it too
-    model = _model_folder(tmp_path)
+    model = _model_folder(tmp_path, kind)
     cfg = load_config(None, [
         "run_name=byo", f"runs_dir={tmp_path / 'runs'}", "iterations=2",
         "dataset.kind=jsonl", f"dataset.path={DATA}", "dataset.max_prompt_tokens=96", "dataset.overflow=truncate",

@@ -14,7 +14,7 @@ prediction (planner/async_steptime.py) takes the decoupled sync run's median sta
 predicts every other run's step time; it is printed beside the measurement. A PNG of reward against
 wall-clock seconds is written to docs/async_reward_vs_time.png.
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/async.py [--iterations 14] [--prompts 64] [--runs-dir DIR]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/async.py [--iterations 14] [--prompts 64] [--runs-dir DIR] [key=value ...]
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _config(runs_dir: str, name: str, placement: str, s: int, threads: int, args
         f"rollout.max_staleness={s}", f"cluster.placement={placement}", f"cluster.rollout_threads={threads}",
         f"cluster.train_threads={threads}", "train.pipeline_model_parallel_size=1",
         f"task.prompts_per_step={args.prompts}", f"rollout.max_new_tokens={args.max_new_tokens}",
-        f"train.micro_batch_size={args.prompts * 8 // 4}", "reward.num_tasks=1"])
+        f"train.micro_batch_size={args.prompts * 8 // 4}", "reward.num_tasks=1", *args.overrides])
 
 
 def _median(metrics: list[dict], key: str, skip: int = 2) -> float:
@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--out", default="docs/async_reward_vs_time.png")
     ap.add_argument("--json", default="")
     ap.add_argument("--runs-dir", default="", help="reuse this folder's base-policy cache (default: a temp folder)")
+    ap.add_argument("overrides", nargs="*", help="key=value on top of the benchmark config, e.g. warmup.steps=0")
     args = ap.parse_args()
     runs_dir = args.runs_dir or tempfile.mkdtemp(prefix="async-bench-")
     rows = []

@@ -152,8 +152,9 @@ class RewardConfig:
     timeout_s: float = 5.0
     """Wall-clock limit for one sample's rewards; past it the scoring process is killed and the
     sample is a failed sample (left out of its group's statistics and of the loss)."""
-    memory_limit_bytes: Optional[int] = 1 << 30
-    """Address-space limit of the reward process (RLIMIT_AS); unset: no limit."""
+    memory_limit_bytes: Optional[int] = 4 << 30
+    """Address-space limit of the reward process (RLIMIT_AS); unset: no limit. Virtual memory, not
+    resident: a reward module that imports torch needs well over 1 GiB of it."""
 
     def __post_init__(self) -> None:
         from stages.reward import RewardFunctionError, check_reward_functions

@@ -32,9 +32,10 @@ __all__ = ["RewardFn", "REWARDS", "register_reward", "get_reward", "resolve_rewa
 
 RewardFn = Callable[..., float]
 REWARDS: dict[str, RewardFn] = {}
-# Python with numpy and sympy loaded reserves about 200 MB of address space; 1 GiB leaves a reward
-# room to work while a runaway allocation fails fast.
-DEFAULT_MEMORY_LIMIT_BYTES = 1 << 30
+# Python with numpy and sympy loaded reserves about 200 MB of address space, with torch well over
+# 1 GiB (a reward module may import it); 4 GiB leaves a reward room to work while a runaway
+# allocation still fails fast.
+DEFAULT_MEMORY_LIMIT_BYTES = 4 << 30
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _STARTUP_TIMEOUT_S = 60.0  # importing the functions (sympy for math_answer) is not a sample's time
 

@@ -29,15 +29,6 @@ from storage.rollouts import ARRAYS
 BASE = ["task.prompts_per_step=8", "train.micro_batch_size=16", "warmup.steps=5", "iterations=3"]
 
 
-def nan_reward(prompt: str, completion: str) -> float:
-    """A reward that is never finite: its samples are marked failed, never trained on."""
-    return math.nan
-
-
-def inf_reward(prompt: str, completion: str) -> float:
-    return -math.inf
-
-
 def _hf_folder(path: Path, model_cfg=None) -> Path:
     model_cfg = model_cfg or make_decoder_config()
     from safetensors.torch import save_file
@@ -263,5 +254,5 @@ def test_cli_prints_a_config_refusal_in_one_line(env, capsys):
 def test_nan_or_infinite_rewards_are_failed_samples(fn):
     from stages.reward import score_samples
 
-    scored = score_samples(["1+1="] * 2, ["2", "3"], [f"tests.flows.test_bad_input:{fn}", "exact_match"], 5.0)
+    scored = score_samples(["1+1="] * 2, ["2", "3"], [f"tests.flows.nonfinite_rewards:{fn}", "exact_match"], 5.0)
     assert scored.failed.tolist() == [True, True] and scored.reward.tolist() == [0.0, 0.0]

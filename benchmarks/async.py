@@ -28,6 +28,7 @@ from pathlib import Path
 from flows.config import load_config
 from flows.loop import run
 from planner.async_steptime import StageSeconds, async_step_seconds, sync_step_seconds
+from stages.config import effective_off_policy
 
 _RUNS = (("colocated s=0", "colocated", 0, 2), ("decoupled s=0", "decoupled", 0, 1),
          ("decoupled s=1", "decoupled", 1, 1), ("decoupled s=2", "decoupled", 2, 1))
@@ -79,7 +80,9 @@ def main() -> None:
     st = sync["stages"]
     critical = StageSeconds(**st)
     loop = max(0.0, sync["step_s"] - sync_step_seconds(critical))
-    calibrated = StageSeconds(**st, loop=loop)
+    # pi_prox is the train forward's own log-prob unless a proximal pass is configured (P = 0 then).
+    passes = effective_off_policy(cfg.train, 1).proximal == "pass"
+    calibrated = StageSeconds(**st, loop=loop, proximal=None if passes else 0.0)
     print(f"sync stage seconds (median): " + ", ".join(f"{k} {v:.3f}" for k, v in st.items()) + f", loop {loop:.3f}")
     print(f"{'run':<15} {'s/step':>7} {'pred':>7} {'err':>6} {'samples/s':>9} {'x sync':>6} "
           f"{'idle roll':>9} {'idle train':>10} {'reward first->last':>19}")

@@ -188,6 +188,9 @@ def _rollout_model(cfg: GRPOConfig, engine_key: str, policy: PolicyRef) -> tuple
     """The engine's model at ``policy``; loads the version if it is not the one held (weight sync)."""
     held = _ROLLOUT_MODELS.get(engine_key)
     if held is not None and held[0] == policy.sha256:
+        # The same bytes (a step whose update left every weight as it was, e.g. all advantages 0):
+        # the engine holds this version too.
+        _ROLLOUT_VERSIONS[engine_key] = policy.version
         return held[1], held[2], 0.0
     t0 = time.perf_counter()
     hf_config, tokenizer_json, tensors = load_model_folder(policy.path)

@@ -2,7 +2,8 @@
 
 The loop's rules (flows/async_schedule.py) in closed form, for one rollout engine and one training
 pipeline. With per-step stage seconds R (rollout), W (reward + advantage, on plain workers), F
-(reference), P (proximal, a forward pass like the reference, so P = F when not measured), T (train),
+(reference), P (proximal: a forward pass like the reference, so P = F when not measured, with
+train.off_policy.proximal = pass; 0 by default, where pi_prox is the train forward's own log-prob), T (train),
 U (publish) and L (the loop's own seconds per step: lineage, submission; measured as the sync run's
 seconds per step minus its critical path):
 

@@ -95,15 +95,22 @@ def _seconds(model, batch) -> float:
     return time.perf_counter() - t0
 
 
-def timing(reps: int) -> None:
-    groups, G, Pw, Gw = 16, 8, 7, 64
+def _timing_step(groups: int, G: int, Pw: int, Gw: int):
+    """(config, model, stored arrays) of the step both timings run: a hidden-128, 4-layer model and
+    the bench length distribution."""
     cfg = DecoderConfig(vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=4,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, pad_token_id=0)
     model = build_stage(cfg)
     model.init_weights(torch.Generator().manual_seed(0))
     pl, L = lengths("bench", groups, G, Gw, 0)
-    arrays = arrays_of(pl, L, Pw, Gw, cfg.vocab_size)
-    print(f"\nbench lengths, model hidden 128 x 4 layers, budget 8 x {Pw + Gw}; real tokens {(pl + L).sum()}")
+    return cfg, model, arrays_of(pl, L, Pw, Gw, cfg.vocab_size)
+
+
+def timing(reps: int) -> None:
+    groups, G, Pw, Gw = 16, 8, 7, 64
+    cfg, model, arrays = _timing_step(groups, G, Pw, Gw)
+    real = int((arrays["prompt_len"].astype(int) + arrays["length"]).sum())
+    print(f"\nbench lengths, model hidden 128 x 4 layers, budget 8 x {Pw + Gw}; real tokens {real}")
     batches = {name: build_global_batch(arrays, "token-mean", 0, lay)
                for name, lay in layouts(groups, G, Pw, Gw, 8 * (Pw + Gw)).items()}
     batches["fixed"] = build_global_batch(arrays, "token-mean", 0, microbatch_layout(groups, G, Pw, Gw, 8 * (Pw + Gw),
@@ -127,12 +134,7 @@ def pipeline_timing(reps: int) -> None:
     from stages.train.local import run_local_pipeline
 
     groups, G, Pw, Gw = 16, 8, 7, 64
-    cfg = DecoderConfig(vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=4,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, pad_token_id=0)
-    model = build_stage(cfg)
-    model.init_weights(torch.Generator().manual_seed(0))
-    pl, L = lengths("bench", groups, G, Gw, 0)
-    arrays = arrays_of(pl, L, Pw, Gw, cfg.vocab_size)
+    cfg, model, arrays = _timing_step(groups, G, Pw, Gw)
     print("\n2-rank 1F1B pipeline, same step; step_seconds = slowest rank, min over reps")
     print("| variant | passes | microbatches / DP rank | step s |\n| --- | --- | --- | --- |")
     for name, lay in layouts(groups, G, Pw, Gw, 8 * (Pw + Gw)).items():

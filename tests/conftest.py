@@ -52,6 +52,20 @@ def make_rollout_arrays(model, num_groups: int = 4, group_size: int = 4, prompt_
     return arrays
 
 
+def random_hf_model(hf_config, seed: int = 0, std: float = 0.2):
+    """transformers' model for ``hf_config`` with EVERY tensor random, norms near 1 (HF init leaves
+    biases at zero and norm weights at one, which would hide a missing bias or norm)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen) * std
+            p.copy_(1.0 + noise if name.endswith("norm.weight") else noise)
+    return model
+
+
 @pytest.fixture
 def decoder_config():
     return make_decoder_config()

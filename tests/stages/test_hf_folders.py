@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_decoder_config, make_model, make_rollout_arrays
+from conftest import make_decoder_config, make_model, make_rollout_arrays, random_hf_model
 from stages.layout.shape import RopeScaling, hf_rope_scaling
 from stages.policy import DecoderConfig, build_stage, hf_named_parameters, hf_state, load_hf_state, stage_hf_names
 from stages.policy.model import rope_inv_freq
@@ -49,12 +49,7 @@ def qwen3_config(**overrides) -> "transformers.PretrainedConfig":
 
 def make_hf_folder(hf_config, path: Path, seed: int = 0):
     """A random-weight transformers model saved as an HF folder with tokenizer files; returns the model."""
-    model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager")
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen) * _WEIGHT_STD
-            p.copy_(1.0 + noise if name.endswith("norm.weight") else noise)
+    model = random_hf_model(hf_config, seed, _WEIGHT_STD)
     # transformers 5 always writes safetensors (4.x needed safe_serialization=True for it).
     model.save_pretrained(path)
     (path / "tokenizer.json").write_text(make_tokenizer_json())

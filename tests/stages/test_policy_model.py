@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import random_hf_model
 import transformers  # a test dependency: the parity tests fail, never skip, without it
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -36,12 +37,7 @@ def make_hf_model(cfg: DecoderConfig, seed: int = 0) -> torch.nn.Module:
     """transformers' model for ``cfg`` with EVERY tensor random (HF init leaves biases at zero
     and norm weights at one, which would hide a missing bias or norm)."""
     hf_config = transformers.AutoConfig.for_model(**cfg.to_hf())
-    model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager")
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen) * _WEIGHT_STD
-            p.copy_(1.0 + noise if name.endswith("norm.weight") else noise)
+    model = random_hf_model(hf_config, seed, _WEIGHT_STD)
     return model.eval()
 
 

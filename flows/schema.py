@@ -190,7 +190,7 @@ class GRPOConfig:
         """The fixed shape and count of every step's microbatches (stages/train/plan.py):
         budget B = train.max_tokens_per_microbatch or micro_batch_size x S, S = prompt width +
         max_new_tokens; M = the worst case's count, a multiple of data_parallel_size. With
-        train.length_buckets: the buckets' shapes, M = one pass (stages/train/buckets.py)."""
+        train.length_buckets: the buckets' shapes, M = the smallest pass (stages/train/buckets.py)."""
         t = self.train
         width, new = self.prompt_width, self.rollout.max_new_tokens
         budget = t.max_tokens_per_microbatch or t.micro_batch_size * (width + new)
@@ -198,7 +198,9 @@ class GRPOConfig:
             m = microbatches_per_pass(t.schedule, t.pipeline_model_parallel_size,
                                       t.virtual_pipeline_model_parallel_size)
             return bucketed_layout(self.task.prompts_per_step, self.rollout.group_size, width, new, budget,
-                                   t.length_buckets, t.packing, m, t.data_parallel_size)
+                                   t.length_buckets, t.packing, m, t.data_parallel_size,
+                                   t.max_microbatches_per_pass,
+                                   (t.schedule, t.pipeline_model_parallel_size, t.virtual_pipeline_model_parallel_size))
         return microbatch_layout(self.task.prompts_per_step, self.rollout.group_size, width, new, budget,
                                  t.packing, t.pack_row_tokens, t.data_parallel_size)
 

@@ -209,10 +209,15 @@ class TrainConfig:
     length_buckets: Optional[list[int]] = None
     """Row widths T_b of length buckets, e.g. [16, 32, 64] (the longest sequence S = prompt width +
     max_new_tokens is always the last). Set: a step runs a variable number of pipeline passes, each
-    of one bucket's fixed shape (m microbatches of [budget // T_b rows, T_b], m the schedule's
-    smallest valid count >= p), a group going to the narrowest bucket holding its longest sequence;
-    gradients accumulate over the passes before one optimiser step (stages/train/buckets.py).
-    Unset: every step is one pass shaped for the worst case (every completion at max_new_tokens)."""
+    of one bucket's fixed row shape [budget // T_b rows, T_b] and as many microbatches as the
+    bucket's groups fill (see max_microbatches_per_pass), a group going to the narrowest bucket
+    holding its longest sequence; gradients accumulate over the passes before one optimiser step
+    (stages/train/buckets.py). Unset: every step is one pass shaped for the worst case (every
+    completion at max_new_tokens)."""
+    max_microbatches_per_pass: Optional[int] = None
+    """With length_buckets: the most microbatches (per data-parallel rank) one pass runs. Unset: one
+    pass per bucket (one pipeline fill and drain each); the schedule's smallest count (p for 1F1B)
+    gives fixed-count passes. Each (bucket, count) pair has its own cached schedule."""
     logprob_chunk_tokens: Optional[int] = None
     """Set: the last stage returns hidden states and the loss applies lm_head and log-softmax to this
     many completion tokens at a time, so [tokens x vocab] logits never exist; unset: full logits."""
@@ -248,6 +253,8 @@ class TrainConfig:
         _require(self.length_buckets is None or (len(self.length_buckets) >= 1
                                                  and all(w >= 2 for w in self.length_buckets)),
                  f"train.length_buckets={self.length_buckets} must list row widths >= 2 (or be unset)")
+        _require(self.max_microbatches_per_pass is None or self.max_microbatches_per_pass >= 1,
+                 f"train.max_microbatches_per_pass={self.max_microbatches_per_pass} must be >= 1 (or unset)")
         _require(self.length_buckets is None or self.pack_row_tokens is None,
                  "train.pack_row_tokens is set with train.length_buckets: packed rows take the bucket widths; "
                  "unset one of them")

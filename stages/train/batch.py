@@ -237,17 +237,17 @@ def _build_bucketed(arrays: dict[str, np.ndarray], mode: str, pad_id: int, layou
     plan = plan_passes(prompt_len + length, layout)
     weights = aggregation_weights(length, Gw, mode, trained)  # over the whole step: every pass a partial sum
     passes = []
-    for p, b in enumerate(plan.pass_bucket):
+    for p, (b, num_mb) in enumerate(zip(plan.pass_bucket, plan.pass_microbatches)):
         bucket = layout.buckets[b]
         samples = np.flatnonzero(plan.sample_pass == p)
         row, start = plan.row[samples], plan.start[samples]
-        ids, target, doc, pos = _fill_rows(arrays, samples, row, start, bucket.total_rows, bucket.seq_len,
+        ids, target, doc, pos = _fill_rows(arrays, samples, row, start, num_mb * bucket.rows, bucket.seq_len,
                                            weights, pad_id, trained)
         passes.append(GlobalBatch(
             torch.from_numpy(ids), torch.from_numpy(target), int(length[samples].sum()),
             positions=torch.from_numpy(pos) if layout.packing else None,
             doc_ids=torch.from_numpy(doc) if layout.packing else None,
             sample_row=row, sample_col=start + prompt_len[samples] - 1, length=length[samples], max_new_tokens=Gw,
-            num_microbatches=bucket.num_microbatches, samples=samples,
+            num_microbatches=num_mb, samples=samples,
             num_real_tokens=int((prompt_len + length)[samples].sum())))
     return BucketedBatch(tuple(passes), plan, int(length.sum()), Gw)

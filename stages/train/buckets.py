@@ -17,16 +17,20 @@ Placement, a deterministic function of the stored lengths (so every rank plans t
    (the best c), then one bucket's groups one bucket up at a time while that still saves slots.
 2. Buckets are filled widest first. Within a bucket, its groups go into microbatches as in plan.py
    (whole if they fit an empty microbatch, else split at sequence boundaries; packed sequences go
-   first-fit into the open microbatch's rows), and the microbatches are cut into passes of D x m.
+   first-fit into the open microbatch's rows), and the microbatches are cut into passes (below).
    Groups are taken in store order, and again longest first; the plan with fewer slots is kept.
-3. The bucket's last pass is usually part-empty: before moving on, whole groups of narrower
-   buckets (widest first, in the same group order) move into its free room, so each step leaves at
-   most one part-empty pass per bucket that still has groups of its own.
+3. The bucket's last microbatches are usually part-empty: before moving on, whole groups of
+   narrower buckets (widest first, in the same group order) move into their free room.
 
-m per pass: the smallest m >= p (pipeline ranks) that the schedule accepts (layout.schedule_error:
-1F1B m >= p, interleaved m a multiple of its rounds, DualPipeV m >= 2p), the same for every bucket.
-A smaller m leaves fewer empty microbatches in a bucket's last pass; m < p would leave pipeline
-ranks idle for the whole pass without saving a slot. The price is a fill and drain bubble per pass.
+Microbatches per pass. A pass costs a pipeline fill and drain ((p - 1) microbatch times per
+rank for 1F1B), whatever its m, so a bucket's microbatches go into as few passes as
+``max_microbatches_per_pass`` allows (unset: one pass per bucket), split evenly, each pass's m
+the smallest count >= what it holds that the schedule accepts (layout.schedule_error: 1F1B
+m >= p, interleaved m a multiple of its rounds, DualPipeV m >= 2p); never below the run's
+minimum ``microbatches_per_pass`` (m < p would leave pipeline ranks idle for the whole pass). The
+count therefore varies from step to step: each (bucket, m) gets its own schedule, built at its
+first use and cached, so no schedule sees a new shape. Setting the cap to the minimum gives
+passes of a fixed count (more fill and drain, fewer empty microbatches).
 
 The metric ``train_token_slots_per_real_token`` is slots run through the pipeline (every pass, every
 microbatch, padding and empty microbatches included, over all data-parallel ranks) divided by real
@@ -47,7 +51,7 @@ from stages.train.layout import schedule_error
 from stages.train.plan import MicrobatchLayout, _Cursor
 
 __all__ = ["BucketedLayout", "BucketedPlan", "bucketed_layout", "plan_passes", "microbatches_per_pass",
-           "power_of_two_widths"]
+           "power_of_two_widths", "valid_microbatches"]
 
 
 @dataclass(frozen=True)
@@ -57,8 +61,12 @@ class BucketedLayout:
     buckets: tuple[MicrobatchLayout, ...]
     """Bucket b: microbatches of [rows_b, T_b]; its num_microbatches is one pass, D x m."""
     microbatches_per_pass: int
-    """m: microbatches per data-parallel rank in every pass (the schedules' microbatch count)."""
+    """The smallest m (microbatches per data-parallel rank) of a pass: the schedule's minimum."""
     data_parallel_size: int
+    max_microbatches_per_pass: Optional[int] = None
+    """m of a pass is at most this (a valid count >= microbatches_per_pass); None: no cap."""
+    schedule: tuple[str, int, int] = ("1f1b", 1, 1)
+    """(schedule, pipeline ranks, stages per rank): which counts m a pass may take."""
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -66,8 +74,20 @@ class BucketedLayout:
 
     @property
     def num_microbatches(self) -> int:
-        """Microbatches of one pass over all data-parallel ranks, D x m."""
+        """Microbatches of the smallest pass over all data-parallel ranks, D x m."""
         return self.data_parallel_size * self.microbatches_per_pass
+
+    def pass_sizes(self, used: int) -> tuple[int, ...]:
+        """Global microbatches (D x m) of each pass that holds ``used`` microbatches of one bucket
+        (module docstring): as few passes as the cap allows, split evenly, each a valid count."""
+        D, cap = self.data_parallel_size, self.max_microbatches_per_pass
+        need = max(1, math.ceil(used / D))  # per data-parallel rank
+        n = 1 if cap is None else math.ceil(need / cap)
+        sizes: list[int] = []
+        for i in range(n):  # the larger shares first
+            left = need - sum(sizes)
+            sizes.append(valid_microbatches(math.ceil(left / (n - i)), self.microbatches_per_pass, *self.schedule))
+        return tuple(D * m for m in sizes)
 
     @property
     def group_size(self) -> int:
@@ -97,19 +117,27 @@ def power_of_two_widths(max_seq_len: int, smallest: int = 8) -> tuple[int, ...]:
 
 def microbatches_per_pass(schedule: str, pp: int, virtual: int) -> int:
     """The smallest m >= pp that ``schedule`` runs on pp ranks x ``virtual`` stages (module docstring)."""
-    m = pp
+    return valid_microbatches(pp, pp, schedule, pp, virtual)
+
+
+def valid_microbatches(need: int, least: int, schedule: str, pp: int, virtual: int) -> int:
+    """The smallest m >= max(need, least) that ``schedule`` runs on pp ranks x ``virtual`` stages."""
+    m = start = max(need, least)
     while schedule_error(schedule, pp, m, virtual) is not None:
         m += 1
-        if m > 64 * pp:  # schedule_error rejects the schedule itself, whatever m
-            raise ValueError(schedule_error(schedule, pp, pp, virtual))
+        if m > start + 64 * pp:  # schedule_error rejects the schedule itself, whatever m
+            raise ValueError(schedule_error(schedule, pp, start, virtual))
     return m
 
 
 def bucketed_layout(num_groups: int, group_size: int, prompt_width: int, max_new_tokens: int,
                     max_tokens_per_microbatch: int, widths: Sequence[int], packing: bool,
-                    microbatches: int, data_parallel_size: int = 1) -> BucketedLayout:
+                    microbatches: int, data_parallel_size: int = 1, max_microbatches: Optional[int] = -1,
+                    schedule: tuple[str, int, int] = ("1f1b", 1, 1)) -> BucketedLayout:
     """Buckets of the given row widths (those below S kept, S added) under a budget of B slots per
-    microbatch, ``microbatches`` (m) per data-parallel rank and pass. Raises ValueError naming the key."""
+    microbatch, at least ``microbatches`` (m) per data-parallel rank and pass and at most
+    ``max_microbatches`` (-1: exactly m in every pass; None: no cap), valid counts of ``schedule``
+    (name, pipeline ranks, stages per rank). Raises ValueError naming the key."""
     S = prompt_width + max_new_tokens
     B = max_tokens_per_microbatch
     if B < S:
@@ -122,10 +150,16 @@ def bucketed_layout(num_groups: int, group_size: int, prompt_width: int, max_new
     if num_groups < 1 or group_size < 1 or microbatches < 1 or data_parallel_size < 1:
         raise ValueError(f"a step needs >= 1 group of >= 1 sample, >= 1 microbatch per pass on >= 1 replica, got "
                          f"{num_groups} x {group_size}, m={microbatches}, D={data_parallel_size}")
+    if max_microbatches == -1:
+        max_microbatches = microbatches
+    elif max_microbatches is not None and (max_microbatches < microbatches or
+                                           schedule_error(schedule[0], schedule[1], max_microbatches, schedule[2])):
+        raise ValueError(f"train.max_microbatches_per_pass={max_microbatches} must be a microbatch count that "
+                         f"train.schedule={schedule[0]} runs, >= {microbatches} (or unset)")
     kept = sorted({int(w) for w in widths if w < S} | {S})
     per_pass = data_parallel_size * microbatches
     buckets = tuple(MicrobatchLayout(per_pass, B // w, w, group_size, num_groups, w, packing) for w in kept)
-    return BucketedLayout(buckets, microbatches, data_parallel_size)
+    return BucketedLayout(buckets, microbatches, data_parallel_size, max_microbatches, tuple(schedule))
 
 
 @dataclass(frozen=True, eq=False)
@@ -135,6 +169,7 @@ class BucketedPlan:
 
     layout: BucketedLayout
     pass_bucket: tuple[int, ...]  # [P] bucket of each pass, in run order
+    pass_microbatches: tuple[int, ...]  # [P] global microbatches (D x m) of each pass
     sample_pass: np.ndarray  # [N] int64
     row: np.ndarray  # [N] int64
     start: np.ndarray  # [N] int64
@@ -148,8 +183,8 @@ class BucketedPlan:
     @property
     def num_slots(self) -> int:
         """Token slots run through the pipeline over all passes (padding and empty microbatches too)."""
-        return sum(self.layout.buckets[b].num_microbatches * self.layout.buckets[b].tokens_per_microbatch
-                   for b in self.pass_bucket)
+        return sum(n * self.layout.buckets[b].tokens_per_microbatch
+                   for b, n in zip(self.pass_bucket, self.pass_microbatches))
 
     @property
     def slots_per_real_token(self) -> float:
@@ -248,9 +283,9 @@ def _plan_homes(seq_len: np.ndarray, layout: BucketedLayout, home: np.ndarray, o
     G, N = layout.group_size, layout.num_groups * layout.group_size
     groups = seq_len.reshape(layout.num_groups, G)
     pending = [[int(g) for g in order if home[g] == b] for b in range(len(layout.buckets))]
-    per_pass = layout.num_microbatches
     sample_pass, row, start = (np.zeros(N, np.int64) for _ in range(3))
     pass_bucket: list[int] = []
+    pass_microbatches: list[int] = []
     split: list[int] = []
     for b in reversed(range(len(layout.buckets))):
         if not pending[b]:
@@ -268,19 +303,23 @@ def _plan_homes(seq_len: np.ndarray, layout: BucketedLayout, home: np.ndarray, o
                     fresh = spot is None
                     spots += cursor.commit(spot or cursor.fit(n, fresh=True), n, fresh=fresh)
             placed.append((g, spots))
-        num_passes = math.ceil((cursor.mb + 1) / per_pass)
-        for c in reversed(range(b)):  # fill the last pass's free room with narrower groups
+        sizes = layout.pass_sizes(cursor.mb + 1)
+        for c in reversed(range(b)):  # fill the passes' free room with narrower groups
             for g in list(pending[c]):
-                spots = _place_group(cursor, groups[g], num_passes * per_pass)
+                spots = _place_group(cursor, groups[g], sum(sizes))
                 if spots is not None:
                     placed.append((g, spots))
                     pending[c].remove(g)
         first = len(pass_bucket)
-        pass_bucket += [b] * num_passes
+        pass_bucket += [b] * len(sizes)
+        pass_microbatches += sizes
+        ends = np.cumsum(sizes)
         for g, spots in placed:
             for k, (mb, r, col) in enumerate(spots):
                 i = g * G + k
-                sample_pass[i] = first + mb // per_pass
-                row[i] = (mb % per_pass) * bucket.rows + r
+                j = int(np.searchsorted(ends, mb, side="right"))
+                sample_pass[i] = first + j
+                row[i] = (mb - (ends[j] - sizes[j])) * bucket.rows + r
                 start[i] = col
-    return BucketedPlan(layout, tuple(pass_bucket), sample_pass, row, start, seq_len, tuple(split))
+    return BucketedPlan(layout, tuple(pass_bucket), tuple(pass_microbatches), sample_pass, row, start, seq_len,
+                        tuple(split))

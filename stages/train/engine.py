@@ -226,7 +226,7 @@ class TrainRank:
                                                                            self.layout.virtual)):
                 raise TrainInputError(f"a pass of {global_mb} microbatches over data_parallel_size {D} does not "
                                       f"run on train.schedule={self.setup.schedule}: plan the buckets with "
-                                      "buckets.microbatches_per_pass")
+                                      "buckets.valid_microbatches")
             if rows % (D * m):
                 raise TrainInputError(f"the batch has {rows} rows, which do not split into data_parallel_size x "
                                       f"microbatches = {D} x {m} equal microbatches: change train.micro_batch_size")

@@ -1,6 +1,7 @@
 """Length-bucketed steps through the pipeline: on every schedule, a step of several passes of mixed
 bucket shapes, with a pass count that changes from step to step, computes the single-process
-full-batch gradient, and the forward-only passes the full model's log-probs in store order.
+full-batch gradient, and the forward-only passes the full model's log-probs in store order. The
+same holds when the microbatch count of a pass varies too (one pass per bucket, or a cap).
 
 One set of rank processes per case runs every call (process start-up is the cost here).
 """
@@ -14,7 +15,7 @@ import torch
 from conftest import make_decoder_config, make_model
 from stages.policy import hf_named_parameters, hf_state
 from stages.train.batch import BucketedBatch, build_global_batch
-from stages.train.buckets import bucketed_layout, microbatches_per_pass
+from stages.train.buckets import bucketed_layout, microbatches_per_pass, valid_microbatches
 from stages.train.engine import TrainSetup
 from stages.train.local import run_local_pipeline
 from stages.train.loss import LossConfig, grpo_microbatch_loss, token_logp
@@ -112,14 +113,29 @@ def test_bucketed_steps_equal_single_process(schedule, virtual, dp, tp, tied, pa
     setup = TrainSetup(model=cfg, pipeline_parallel_size=2, num_microbatches=m, schedule=schedule,
                        virtual_stages=virtual, data_parallel_size=dp, tensor_parallel_size=tp, loss=LOSS,
                        max_grad_norm=norm / 2, timeout_s=60)
-    outputs = run_local_pipeline(setup, hf_state(model), [step_a, step_b, step_b, step_b, step_a], calls=CALLS)
+    # The same steps with a varying microbatch count per pass: one pass per bucket, and a cap that
+    # splits a bucket into passes of different counts.
+    rule = (schedule, 2, virtual)
+    per_bucket = bucketed_layout(len(STEP_A), G, PROMPT_WIDTH, MAX_NEW, BUDGET, WIDTHS, packing, m, dp, None, rule)
+    capped = bucketed_layout(len(STEP_A), G, PROMPT_WIDTH, MAX_NEW, BUDGET, WIDTHS, packing, m, dp,
+                             valid_microbatches(m + 1, m, *rule), rule)
+    varying = [build_global_batch(a, modes[0], 0, per_bucket), build_global_batch(b, modes[1], 0, per_bucket),
+               build_global_batch(b, modes[1], 0, capped)]
+    counts = [step.plan.pass_microbatches for step in varying]
+    assert len({n for c in counts for n in c}) >= 2, counts  # passes of different microbatch counts
+    assert len({len(c) for c in counts}) >= 2, counts  # and a varying pass count
+    assert len(varying[0].passes) <= len(buckets_a)  # never more passes than fixed-count ones
+    # Calls: grad A, grad B, reference B, proximal B, grad of each varying step, train A (the last:
+    # it steps the weights).
+    outputs = run_local_pipeline(setup, hf_state(model), [step_a, step_b, step_b, step_b, *varying, step_a],
+                                 calls=[*CALLS[:4], "grad", "grad", "grad", "train"])
     tol = 1e-5 if tp > 1 else 1e-6
-    for call, want in enumerate(expected):
+    for call, want in zip((0, 1, 4, 5, 6), (*expected, expected[0], expected[1], expected[1])):
         worst = worst_diff(merged(outputs, call, tol), want)
         assert worst <= tol, f"{schedule} dp={dp} tp={tp} call {call}: max abs gradient difference {worst:.2e}"
     assert max(g.abs().max().item() for g in expected[0].values()) > 1e-3  # a gradient worth comparing
     clipped = {n: g * (norm / 2) / (norm + 1e-6) for n, g in expected[0].items()}
-    assert worst_diff(merged(outputs, 4, tol), clipped) <= tol  # the step clipped by the global norm
+    assert worst_diff(merged(outputs, 7, tol), clipped) <= tol  # the step clipped by the global norm
     want_logp = torch.from_numpy(single_process_logp(model, b))
     for call in (2, 3):  # reference and proximal (weights not yet stepped): the same model
         got = [out.logps[call] for out in outputs if out.logps[call] is not None]
@@ -132,6 +148,9 @@ def test_bucketed_steps_equal_single_process(schedule, virtual, dp, tp, tied, pa
         stages = {act.stage for act in out.steps[0].actions}
         for s in stages:  # every pass ran its m forwards per stage
             assert [act.kind for act in out.steps[0].actions if act.stage == s].count("F") == m * len(buckets_a)
+            forwards = [act.kind for act in out.steps[5].actions if act.stage == s].count("F")
+            assert forwards == sum(counts[1]) // dp
+        assert out.steps[6].metrics["train_passes"] == len(counts[2])
 
 
 def test_ranks_disagreeing_on_the_passes_fail_together_and_recover():

@@ -46,6 +46,35 @@ def test_a_bucket_holding_a_fraction_of_a_pass_moves_up():
     assert plan.pass_bucket == (1, 1) and plan.num_slots == 4 * 44
 
 
+def test_microbatches_per_pass_vary_by_hand():
+    # Five groups of four 11-token sequences: one group per [4, 11] microbatch, 5 microbatches.
+    seq = np.full(20, 11)
+    rule = ("1f1b", 2, 1)
+    fixed = plan_passes(seq, bucketed_layout(5, 4, 5, 6, 48, (6,), False, 2, schedule=rule))
+    assert fixed.pass_microbatches == (2, 2, 2) and fixed.num_slots == 6 * 44  # the last pass half empty
+    one = plan_passes(seq, bucketed_layout(5, 4, 5, 6, 48, (6,), False, 2, max_microbatches=None, schedule=rule))
+    assert one.pass_bucket == (1,) and one.pass_microbatches == (5,) and one.num_slots == 5 * 44
+    assert one.sample_pass.tolist() == [0] * 20 and one.row.tolist() == list(range(20))
+    capped = plan_passes(seq, bucketed_layout(5, 4, 5, 6, 48, (6,), False, 2, max_microbatches=3, schedule=rule))
+    assert capped.pass_microbatches == (3, 2) and capped.num_slots == 5 * 44
+    assert capped.sample_pass.tolist() == [0] * 12 + [1] * 8
+    assert capped.row.tolist() == list(range(12)) + list(range(8))
+    # A pass never holds fewer microbatches than the schedule runs: one group still gets m = 2; with
+    # data parallelism every pass splits into D equal blocks.
+    alone = plan_passes(np.full(4, 11), bucketed_layout(1, 4, 5, 6, 48, (6,), False, 2, max_microbatches=None,
+                                                        schedule=rule))
+    assert alone.pass_microbatches == (2,)
+    dp = plan_passes(seq, bucketed_layout(5, 4, 5, 6, 48, (6,), False, 2, 2, None, rule))
+    assert dp.pass_microbatches == (6,)  # 5 needed -> 3 per data-parallel rank
+
+
+def test_a_cap_the_schedule_cannot_run_is_refused():
+    with pytest.raises(ValueError, match=r"train.max_microbatches_per_pass=5 must be .*interleaved-1f1b"):
+        bucketed_layout(5, 4, 5, 6, 48, (6,), False, 2, max_microbatches=5, schedule=("interleaved-1f1b", 2, 2))
+    with pytest.raises(ValueError, match=r"train.max_microbatches_per_pass=1 must be"):
+        bucketed_layout(5, 4, 5, 6, 48, (6,), False, 2, max_microbatches=1, schedule=("1f1b", 2, 1))
+
+
 @pytest.mark.parametrize("schedule, pp, virtual, m", [
     ("gpipe", 2, 1, 2), ("1f1b", 4, 1, 4), ("interleaved-1f1b", 4, 2, 4), ("zb-h1", 3, 1, 3),
     ("zbv", 2, 2, 2), ("dualpipev", 2, 2, 4), ("dualpipev", 3, 2, 6),

@@ -113,9 +113,18 @@ class StageFutures:
         return self.work + self.deps
 
 
+_CHUNK_SAMPLES = 2048  # the most samples in one Zarr chunk of a step's per-sample arrays
+
+
 def step_layout(cfg: GRPOConfig) -> StepLayout:
-    return StepLayout(cfg.task.prompts_per_step, cfg.rollout.group_size, cfg.prompt_width,
-                      cfg.rollout.max_new_tokens)
+    """A step's Zarr layout. A chunk holds whole groups, as many as one writer's share of the step
+    (the engines write the rollout, the scoring tasks the rewards, each its own chunk-aligned range)
+    up to ~2048 samples: every chunk is a file to open and a task in the advantage graph, so a step
+    has as few as its writers allow."""
+    G, prompts = cfg.rollout.group_size, cfg.task.prompts_per_step
+    writers = max(cfg.rollout.num_engines, cfg.reward.num_tasks)
+    groups_per_chunk = max(1, min(-(-prompts // writers), _CHUNK_SAMPLES // G))
+    return StepLayout(prompts, G, cfg.prompt_width, cfg.rollout.max_new_tokens, groups_per_chunk)
 
 
 def _ranges(num_groups: int, groups_per_chunk: int, parts: int) -> list[tuple[int, int]]:
@@ -130,7 +139,7 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
             policy: PolicyRef, done: set[str], prev_train: tuple[Future, ...] = (),
             attempt: int = 0) -> dict[str, StageFutures]:
     G = cfg.rollout.group_size
-    layout = step_layout(cfg)
+    layout = RolloutStore(ref.root).layout(ref.step)  # as stored: writers keep to its chunks
     gpc = layout.chunk_samples // G
     # A rerun of the step gets new keys: a task of the abandoned attempt may still be running.
     tok = tokenize(ref, policy.sha256, config_hash(cfg), attempt)
@@ -278,6 +287,7 @@ def finish_iteration(pending: PendingIteration, on_stage: Callable[[str], None] 
     client, pools = pending.client, pending.pools
     remaining = {f for s in stages.values() for f in s.futures}
     deadline = start + timeout_s
+    checked = time.perf_counter()  # the last look at the training workers (a scheduler round trip)
     try:
         while remaining:
             left = deadline - time.perf_counter()
@@ -287,7 +297,9 @@ def finish_iteration(pending: PendingIteration, on_stage: Callable[[str], None] 
                 finished, _ = wait(list(remaining), timeout=min(_POLL_S, left), return_when="FIRST_COMPLETED")
             except TimeoutError:
                 finished = set()
-            lost = lost_workers(client, pools)
+            lost = []
+            if not finished or time.perf_counter() - checked >= _POLL_S:
+                lost, checked = lost_workers(client, pools), time.perf_counter()
             if lost:
                 late = ", ".join(s for s, n in pending_n.items() if n)
                 raise WorkerLostError(f"step {step}: training worker {', '.join(lost)} was lost during stages {late}",

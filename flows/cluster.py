@@ -100,7 +100,9 @@ def start_cluster(cfg: GRPOConfig) -> tuple[Client, SpecCluster | None]:
     # The nanny reads these when it is made and sets them before every (re)start of its worker; a
     # value already in os.environ wins over the config, so both say the same.
     os.environ.update(WORKER_MALLOC_ENV)
-    with dask.config.set({f"distributed.nanny.pre-spawn-environ.{k}": v for k, v in WORKER_MALLOC_ENV.items()}):
+    settings = {f"distributed.nanny.pre-spawn-environ.{k}": v for k, v in WORKER_MALLOC_ENV.items()}
+    settings["distributed.worker.profile.enabled"] = cfg.cluster.worker_profiler  # the nanny hands it on
+    with dask.config.set(settings):
         cluster = SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.WARNING,
                               name="grpoflow")
     client = Client(cluster)

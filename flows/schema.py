@@ -62,6 +62,10 @@ class ClusterConfig:
     published version, at most this many times; then the run fails."""
     worker_wait_s: float = 60.0
     """Longest wait for workers to join: at start-up, and for restarted workers to come back."""
+    worker_profiler: bool = False
+    """Embedded cluster: Dask's statistical profiler on the workers (the dashboard's Profile tab). It
+    samples every thread's stack every 10 ms, which cost the training ranks ~10% of their step at
+    the tiny config (docs/performance.md); off unless asked for."""
 
     def __post_init__(self) -> None:
         _require(self.colocated is None,

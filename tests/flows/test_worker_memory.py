@@ -1,5 +1,6 @@
 """The embedded cluster's workers keep freed buffers in the heap (flows/cluster.py
-WORKER_MALLOC_ENV): a training step's buffers are reused, not faulted in afresh each time."""
+WORKER_MALLOC_ENV): a training step's buffers are reused, not faulted in afresh each time; and
+they run without Dask's sampling profiler unless cluster.worker_profiler asks for it."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ def test_workers_reuse_freed_buffers(tmp_path):
         envs = client.run(lambda: {k: os.environ.get(k) for k in WORKER_MALLOC_ENV})
         assert envs and all(env == WORKER_MALLOC_ENV for env in envs.values()), envs
         faults = client.run(_faults_of_reused_buffers)
+        profiling = client.run(lambda dask_worker: "profile" in dask_worker.periodic_callbacks)
+        assert not any(profiling.values()), profiling  # cluster.worker_profiler=false (the default)
         # With Dask's default (a 64 KiB trim threshold, so a 128 KiB mmap threshold) each cycle maps
         # the buffer afresh: ~25.6k faults over the 50 cycles here. Reused heap memory faults ~500.
         assert all(f < 5 * 1024 for f in faults.values()), faults

@@ -159,15 +159,16 @@ def score_samples(prompts: list[str], completions: list[str], functions: list[st
     reward = np.zeros(len(prompts), dtype=np.float32)
     failed = np.zeros(len(prompts), dtype=bool)
     names = tuple(functions)
-    for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+    samples = [(p, c, {} if fields is None else fields[i]) for i, (p, c) in enumerate(zip(prompts, completions))]
+    i = 0
+    while i < len(samples):  # a sample that kills or hangs the process ends a batch: go on on a fresh one
         proc = reward_process(names, memory_limit_bytes, _STARTUP_TIMEOUT_S)
-        try:
-            value = proc.score(prompt, completion, {} if fields is None else fields[i], timeout_s)
-        except SampleFailed:
-            value = math.nan
-        # Finite in float64 may still overflow the float32 column.
-        if math.isfinite(value) and abs(value) <= _FLOAT32_MAX:
-            reward[i] = value
-        else:
-            failed[i] = True
+        for value in proc.score_many(samples[i:], timeout_s):
+            value = math.nan if isinstance(value, SampleFailed) else value
+            # Finite in float64 may still overflow the float32 column.
+            if math.isfinite(value) and abs(value) <= _FLOAT32_MAX:
+                reward[i] = value
+            else:
+                failed[i] = True
+            i += 1
     return ScoredGroups(reward, failed)

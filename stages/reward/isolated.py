@@ -6,7 +6,9 @@ would take the scoring task down with it. Here the functions run in one child Py
 daemonic and may not start :mod:`multiprocessing` children) and kept between calls:
 
 * **time**: each sample gets ``timeout_s`` of wall clock; past it the child is killed (SIGKILL) and a
-  fresh one started for the next sample.
+  fresh one started for the next sample. A batch of samples travels in one message and the child
+  answers each as soon as it is scored, so the clock of a sample starts at its predecessor's answer
+  (no round trip per sample).
 * **memory**: the child caps its address space with ``RLIMIT_AS``; an allocation past it raises
   MemoryError there (or kills the child), which fails that sample only.
 * **crashes**: a child that exits (segfault, ``os._exit``) fails the sample in flight; the next
@@ -114,19 +116,31 @@ class RewardProcess:
 
     def score(self, prompt: str, completion: str, fields: dict[str, Any], timeout_s: float) -> float:
         """Sum of the functions for one sample; SampleFailed (and the child killed if it hangs) otherwise."""
+        value = self.score_many([(prompt, completion, fields)], timeout_s)[0]
+        if isinstance(value, SampleFailed):
+            raise value
+        return value
+
+    def score_many(self, samples: list[tuple[str, str, dict[str, Any]]], timeout_s: float
+                   ) -> list[float | SampleFailed]:
+        """Scores of ``samples`` (prompt, completion, fields), sent in one message and answered one
+        by one, each within ``timeout_s`` of the answer before it. A sample that runs past its
+        limit or kills the child ends the list there: its entry is a SampleFailed, the child is
+        stopped, and the samples after it are not in the result (score them on a fresh process)."""
+        out: list[float | SampleFailed] = []
         try:
-            _write_frame(self.proc.stdin.fileno(), (prompt, completion, fields))
-            kind, detail = _read_frame(self.proc.stdout.fileno(), time.monotonic() + timeout_s)
+            _write_frame(self.proc.stdin.fileno(), samples)
+            for _ in samples:
+                kind, detail = _read_frame(self.proc.stdout.fileno(), time.monotonic() + timeout_s)
+                out.append(detail if kind == "ok" else SampleFailed(detail))
         except TimeoutError:
             self.close()
-            raise SampleFailed(f"reward ran past {timeout_s} s; its process was killed") from None
+            out.append(SampleFailed(f"reward ran past {timeout_s} s; its process was killed"))
         except (EOFError, OSError):
             code = self.proc.poll()
             self.close()
-            raise SampleFailed(f"reward process died (exit code {code})") from None
-        if kind != "ok":
-            raise SampleFailed(detail)
-        return detail
+            out.append(SampleFailed(f"reward process died (exit code {code})"))
+        return out
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -183,15 +197,16 @@ def _child_main() -> None:
     _write_frame(out_fd, ("ready", None))
     while True:
         try:
-            prompt, completion, fields = _read_frame(in_fd)
+            samples = _read_frame(in_fd)
         except EOFError:
             return
-        try:
-            total = 0.0
-            for fn, accepted in loaded:
-                kwargs = fields if accepted is None else {k: v for k, v in fields.items() if k in accepted}
-                total += float(fn(prompt=prompt, completion=completion, **kwargs))
-            reply: tuple[str, Any] = ("ok", total)
-        except BaseException as exc:  # MemoryError, SystemExit from user code: a failed sample
-            reply = ("error", f"{type(exc).__name__}: {str(exc)[:300]}")
-        _write_frame(out_fd, reply)
+        for prompt, completion, fields in samples:  # one answer per sample, as soon as it is scored
+            try:
+                total = 0.0
+                for fn, accepted in loaded:
+                    kwargs = fields if accepted is None else {k: v for k, v in fields.items() if k in accepted}
+                    total += float(fn(prompt=prompt, completion=completion, **kwargs))
+                reply: tuple[str, Any] = ("ok", total)
+            except BaseException as exc:  # MemoryError, SystemExit from user code: a failed sample
+                reply = ("error", f"{type(exc).__name__}: {str(exc)[:300]}")
+            _write_frame(out_fd, reply)

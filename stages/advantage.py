@@ -46,21 +46,28 @@ def normalize_advantages(rewards: _Array, group_size: int, cfg: AdvantageConfig,
     """
     if rewards.shape[0] % group_size:
         raise ValueError(f"{rewards.shape[0]} rewards do not form whole groups of {group_size}")
-    xp = da if isinstance(rewards, da.Array) else np
-    if xp is da and any(c % group_size for c in rewards.chunks[0]):
+    lazy = isinstance(rewards, da.Array)
+    if lazy and any(c % group_size for c in rewards.chunks[0]):
         raise ValueError(f"reward chunks {rewards.chunks[0]} split a group of {group_size}")
     if valid is None:
-        valid = (da.ones(rewards.shape, dtype=bool, chunks=rewards.chunks) if xp is da
+        valid = (da.ones(rewards.shape, dtype=bool, chunks=rewards.chunks) if lazy
                  else np.ones(rewards.shape, dtype=bool))
     elif valid.shape != rewards.shape or getattr(valid, "chunks", None) != getattr(rewards, "chunks", None):
         raise ValueError(f"validity {valid.shape} in chunks {getattr(valid, 'chunks', None)} must match the "
                          f"rewards {rewards.shape} in chunks {getattr(rewards, 'chunks', None)}")
+    if lazy:  # a chunk holds whole groups, so each is normalised on its own: one task per chunk
+        return da.map_blocks(_normalize_groups, rewards, valid, group_size, cfg, dtype=np.float32)
+    return _normalize_groups(rewards, valid, group_size, cfg)
+
+
+def _normalize_groups(rewards: np.ndarray, valid: np.ndarray, group_size: int, cfg: AdvantageConfig) -> np.ndarray:
+    """:func:`normalize_advantages` of whole groups in memory."""
     keep = trained_samples(valid, group_size).reshape(-1, group_size)  # (num_groups, G)
-    count = xp.maximum(keep.sum(axis=1, keepdims=True), 1)  # (num_groups, 1); >= 2 where any is kept
+    count = np.maximum(keep.sum(axis=1, keepdims=True), 1)  # (num_groups, 1); >= 2 where any is kept
     # Selected, never multiplied: a failed sample's reward may be NaN.
-    grouped = xp.where(keep, rewards.astype(np.float64).reshape(-1, group_size), 0.0)
-    centred = xp.where(keep, grouped - grouped.sum(axis=1, keepdims=True) / count, 0.0)
+    grouped = np.where(keep, rewards.astype(np.float64).reshape(-1, group_size), 0.0)
+    centred = np.where(keep, grouped - grouped.sum(axis=1, keepdims=True) / count, 0.0)
     if cfg.estimator == "grpo":
-        std = xp.sqrt((centred ** 2).sum(axis=1, keepdims=True) / count)
+        std = np.sqrt((centred ** 2).sum(axis=1, keepdims=True) / count)
         centred = centred / (std + cfg.eps)
     return centred.reshape(-1).astype(np.float32)

@@ -7,7 +7,10 @@ planning computation over sampled stored lengths, for:
   fixed            today's single layout: M microbatches sized for every completion at max_new_tokens
   buckets          length buckets, padded rows, a variable pass count; widths 10, 11, 12 (and S)
                    on the tiny config (S = 13: sequences of 7..13 tokens), powers of two elsewhere
-  buckets-packed   the same buckets, sequences packed end to end in each bucket's rows
+  buckets-packed   the same buckets, sequences packed end to end in each bucket's rows, passes of
+                   m = 2 microbatches (the schedule's smallest count)
+  packed-1-pass    the same, one pass per bucket holding all its microbatches (the default:
+                   train.max_microbatches_per_pass unset)
 
 Timing runs forward + backward of the GRPO loss over every microbatch of every pass in-process (no
 pipeline; a pass's fill and drain are not in it), the variants interleaved per repetition, minimum
@@ -63,11 +66,13 @@ def layouts(groups: int, G: int, Pw: int, Gw: int, budget: int) -> dict:
     widths = (10, 11, 12) if S == 13 else power_of_two_widths(S)
     return {"fixed": microbatch_layout(groups, G, Pw, Gw, budget, False),
             "buckets": bucketed_layout(groups, G, Pw, Gw, budget, widths, False, _M),
-            "buckets-packed": bucketed_layout(groups, G, Pw, Gw, budget, widths, True, _M)}
+            "buckets-packed": bucketed_layout(groups, G, Pw, Gw, budget, widths, True, _M),
+            "packed-1-pass": bucketed_layout(groups, G, Pw, Gw, budget, widths, True, _M, max_microbatches=None,
+                                             schedule=("1f1b", 2, 1))}
 
 
 def ratio_table() -> None:
-    print("| config | budget | fixed | buckets | buckets-packed |\n| --- | --- | --- | --- | --- |")
+    print("| config | budget | fixed | buckets | buckets-packed | packed-1-pass |\n| --- | --- | --- | --- | --- | --- |")
     for kind, groups, G, Pw, Gw in (("tiny", 64, 8, 7, 6), ("bench", 16, 8, 7, 64)):
         S = Pw + Gw
         for k in ((64, 16, 8) if kind == "tiny" else (32, 8, 4, 2)):

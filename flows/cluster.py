@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import dask
 from distributed import Client, Nanny, Scheduler, SpecCluster
+from distributed.deploy.cluster import Cluster
 
 from flows.schema import GRPOConfig
 
@@ -60,6 +61,20 @@ class Pools:
         return self.address(self.train[0]).split("://")[-1].rsplit(":", 1)[0]
 
 
+class _NannyCluster(SpecCluster):
+    """A SpecCluster that keeps every nanny until the cluster closes.
+
+    SpecCluster closes the nanny of a worker whose name the scheduler still lacks
+    ``distributed.deploy.lost-worker-timeout`` (15 s) after removing it. Here each nanny restarts its
+    own worker process, and that restart can take longer than 15 s (a loaded host importing torch), or
+    the worker can die again within 15 s of a previous death: closing the nanny then kills the
+    restart in progress and the worker never comes back. The run's bounded waits
+    (``cluster.worker_wait_s``) decide when a worker is lost, not this timer."""
+
+    def _update_worker_status(self, op, msg):
+        Cluster._update_worker_status(self, op, msg)  # the scheduler's view only; no nanny closed
+
+
 def _worker(resources: dict[str, int]) -> dict:
     # One thread per worker process: torch ops inside use that process's own threads.
     return {"cls": Nanny, "options": {"nthreads": 1, "resources": resources, "memory_limit": 0}}
@@ -88,7 +103,7 @@ def start_cluster(cfg: GRPOConfig) -> tuple[Client, SpecCluster | None]:
     scheduler = {"cls": Scheduler, "options": {"dashboard_address": "127.0.0.1:0", "host": "127.0.0.1"}}
     for name in ("distributed.worker", "distributed.nanny", "distributed.scheduler", "distributed.core"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    cluster = SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.WARNING,
+    cluster = _NannyCluster(workers=workers, scheduler=scheduler, silence_logs=logging.WARNING,
                           name="grpoflow")
     client = Client(cluster)
     _announce_dashboard(client)

@@ -5,8 +5,9 @@ worker process under the same name): a killer thread waits until the chosen stag
 step has started (its inputs are marked complete in the rollout store), sleeps a random fraction of
 that stage's duration in the fault-free run and kills the chosen worker's process by pid
 (``client.run(os.getpid)``, keyed by worker name). The target is rollout-0, plain-0, a random
-training rank, or ``reward``: whichever worker holds a reward (``score-``) task of that step when
-the kill lands (reward tasks of a synchronous run may go to any worker). Then it checks the run folder:
+training rank, or ``reward``: the last worker seen holding one of the step's reward (``score-``)
+tasks when the kill lands, running it or holding its result (reward tasks of a synchronous run may
+go to any worker). Then it checks the run folder:
 
 - finished: the run returned (no hang: every wait is bounded by its configured timeout);
 - groups: every step's ``group_id`` holds each expected group exactly once (G contiguous rows) and
@@ -24,6 +25,7 @@ import logging
 import os
 import random
 import signal
+import statistics
 import tempfile
 import threading
 import time
@@ -54,7 +56,7 @@ class Trial:
     stage: str
     """The stage whose start armed the kill."""
     delay_s: float
-    """From the stage's start to the kill: a uniform fraction of its fault-free duration."""
+    """From the stage's start to the kill: a uniform fraction of its median fault-free duration."""
     killed: str = ""
     """Name of the worker killed ('' if none was)."""
     killed_during: str = ""
@@ -124,19 +126,15 @@ def _running(store, cfg: GRPOConfig, first_step: int) -> str:
     return "after the last step"
 
 
-def _scoring_worker(client, store, step: int, stop: threading.Event) -> str | None:
-    """Address of a worker holding one of the step's reward tasks; None once the step's reward
-    stage is complete (or the run ended) before one was seen."""
-    prefix = f"score-{step}-"
+def _scoring_worker(client, step: int, until: float, stop: threading.Event) -> str | None:
+    """The last worker seen holding one of the step's reward tasks by ``until`` (time.monotonic):
+    one running it then, or else the one that ran it and holds its result; None if none was seen."""
+    prefix, seen = f"score-{step}-", None
     while not stop.is_set():
-        for address, keys in client.processing().items():
-            if any(str(k).startswith(prefix) for k in keys):
-                return address
-        try:
-            if "reward" in store.completed(step):
-                return None
-        except Exception:  # attrs mid-write: look again
-            pass
+        holding = [a for a, keys in client.processing().items() if any(str(k).startswith(prefix) for k in keys)]
+        seen = holding[0] if holding else seen
+        if time.monotonic() >= until:
+            return seen
         time.sleep(_POLL_S / 4)
     return None
 
@@ -153,13 +151,13 @@ def _kill_when_started(client, cfg: GRPOConfig, trial: Trial, stop: threading.Ev
         time.sleep(_POLL_S)
     else:
         return
-    time.sleep(trial.delay_s)
     if trial.target == "reward":
-        address = _scoring_worker(client, store, trial.step, stop)
+        address = _scoring_worker(client, trial.step, time.monotonic() + trial.delay_s, stop)
         if address is None:
-            trial.killed_during = "not killed (reward stage over)"
+            trial.killed_during = "not killed (no reward task seen)"
             return
     else:
+        time.sleep(trial.delay_s)
         address = worker_addresses(client).get(trial.target)
     try:
         trial.killed = {a: n for n, a in worker_addresses(client).items()}.get(address, "")
@@ -205,14 +203,15 @@ def run_trial(client, cfg: GRPOConfig, trial: Trial, reference_sha: str, restart
 
 
 def plan(rng: random.Random, index: int, cfg: GRPOConfig, stage_seconds: dict[str, list[float]]) -> Trial:
-    """A random worker, step, stage, and point in that stage (its fault-free ``stage_seconds``)."""
+    """A random worker, step, stage, and point in that stage: within the stage's median duration over
+    the fault-free run's steps (``stage_seconds``: one value per step; a step's own can be an outlier)."""
     kind = rng.choice(("rollout", "reward", "plain", "train"))
     target = {"rollout": "rollout-0", "reward": "reward", "plain": "plain-0",
               "train": f"train-{rng.randrange(cfg.train.world_size)}"}[kind]
     step, stage = rng.randrange(cfg.iterations), rng.choice(STAGES)
     if kind == "reward":  # a reward task runs only during the reward stage
         stage = "reward"
-    return Trial(index, target, step, stage, round(rng.uniform(0, stage_seconds[stage][step]), 3))
+    return Trial(index, target, step, stage, round(rng.uniform(0, statistics.median(stage_seconds[stage])), 3))
 
 
 def table(trials: list[Trial]) -> str:

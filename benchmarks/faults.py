@@ -3,7 +3,7 @@
 Every trial runs the same short config on one shared embedded cluster (its nannies restart a killed
 worker process under the same name): a killer thread waits until the chosen stage of the chosen
 step has started (its inputs are marked complete in the rollout store), sleeps a random fraction of
-that stage's duration in the fault-free run and kills the chosen worker's process by pid
+that stage's median duration in the fault-free run and kills the chosen worker's process by pid
 (``client.run(os.getpid)``, keyed by worker name). The target is rollout-0, plain-0, a random
 training rank, or ``reward``: the last worker seen holding one of the step's reward (``score-``)
 tasks when the kill lands, running it or holding its result (reward tasks of a synchronous run may

@@ -3,8 +3,11 @@
 Every trial runs the same short config on one shared embedded cluster (its nannies restart a killed
 worker process under the same name): a killer thread waits until the chosen stage of the chosen
 step has started (its inputs are marked complete in the rollout store), sleeps a random fraction of
-that stage's duration in the fault-free run and kills the chosen worker's process by pid
-(``client.run(os.getpid)``, keyed by worker name). Then it checks the run folder:
+that stage's median duration in the fault-free run and kills the chosen worker's process by pid
+(``client.run(os.getpid)``, keyed by worker name). The target is rollout-0, plain-0, a random
+training rank, or ``reward``: the last worker seen holding one of the step's reward (``score-``)
+tasks when the kill lands, running it or holding its result (reward tasks of a synchronous run may
+go to any worker). Then it checks the run folder:
 
 - finished: the run returned (no hang: every wait is bounded by its configured timeout);
 - groups: every step's ``group_id`` holds each expected group exactly once (G contiguous rows) and
@@ -22,6 +25,7 @@ import logging
 import os
 import random
 import signal
+import statistics
 import tempfile
 import threading
 import time
@@ -47,12 +51,14 @@ _POLL_S = 0.02  # the killer's look at the store; tiny stages last ~0.05-2 s
 class Trial:
     index: int
     target: str
-    """Worker killed: rollout-0, plain-0 or train-<rank>."""
+    """Worker to kill: rollout-0, plain-0, train-<rank>, or reward (the worker holding a reward task)."""
     step: int
     stage: str
     """The stage whose start armed the kill."""
     delay_s: float
-    """From the stage's start to the kill: a uniform fraction of its fault-free duration."""
+    """From the stage's start to the kill: a uniform fraction of its median fault-free duration."""
+    killed: str = ""
+    """Name of the worker killed ('' if none was)."""
     killed_during: str = ""
     """step=<s>/<stage>: the first stage not yet complete when the kill landed ('' if never armed)."""
     finished: bool = False
@@ -120,6 +126,19 @@ def _running(store, cfg: GRPOConfig, first_step: int) -> str:
     return "after the last step"
 
 
+def _scoring_worker(client, step: int, until: float, stop: threading.Event) -> str | None:
+    """The last worker seen holding one of the step's reward tasks by ``until`` (time.monotonic):
+    one running it then, or else the one that ran it and holds its result; None if none was seen."""
+    prefix, seen = f"score-{step}-", None
+    while not stop.is_set():
+        holding = [a for a, keys in client.processing().items() if any(str(k).startswith(prefix) for k in keys)]
+        seen = holding[0] if holding else seen
+        if time.monotonic() >= until:
+            return seen
+        time.sleep(_POLL_S / 4)
+    return None
+
+
 def _kill_when_started(client, cfg: GRPOConfig, trial: Trial, stop: threading.Event) -> None:
     store = run_folder(cfg).rollout_store()
     while not stop.is_set():
@@ -132,12 +151,19 @@ def _kill_when_started(client, cfg: GRPOConfig, trial: Trial, stop: threading.Ev
         time.sleep(_POLL_S)
     else:
         return
-    time.sleep(trial.delay_s)
-    address = worker_addresses(client).get(trial.target)
+    if trial.target == "reward":
+        address = _scoring_worker(client, trial.step, time.monotonic() + trial.delay_s, stop)
+        if address is None:
+            trial.killed_during = "not killed (no reward task seen)"
+            return
+    else:
+        time.sleep(trial.delay_s)
+        address = worker_addresses(client).get(trial.target)
     try:
+        trial.killed = {a: n for n, a in worker_addresses(client).items()}.get(address, "")
         pid = client.run(os.getpid, workers=[address])[address]
     except Exception as exc:  # the target is itself restarting: no kill
-        trial.killed_during = f"not killed ({type(exc).__name__})"
+        trial.killed, trial.killed_during = "", f"not killed ({type(exc).__name__})"
         return
     try:
         trial.killed_during = _running(store, cfg, trial.step)
@@ -177,19 +203,23 @@ def run_trial(client, cfg: GRPOConfig, trial: Trial, reference_sha: str, restart
 
 
 def plan(rng: random.Random, index: int, cfg: GRPOConfig, stage_seconds: dict[str, list[float]]) -> Trial:
-    """A random worker, step, stage, and point in that stage (its fault-free ``stage_seconds``)."""
-    kind = rng.choice(("rollout", "plain", "train"))
-    target = {"rollout": "rollout-0", "plain": "plain-0",
+    """A random worker, step, stage, and point in that stage: within the stage's median duration over
+    the fault-free run's steps (``stage_seconds``: one value per step; a step's own can be an outlier)."""
+    kind = rng.choice(("rollout", "reward", "plain", "train"))
+    target = {"rollout": "rollout-0", "reward": "reward", "plain": "plain-0",
               "train": f"train-{rng.randrange(cfg.train.world_size)}"}[kind]
     step, stage = rng.randrange(cfg.iterations), rng.choice(STAGES)
-    return Trial(index, target, step, stage, round(rng.uniform(0, stage_seconds[stage][step]), 3))
+    if kind == "reward":  # a reward task runs only during the reward stage
+        stage = "reward"
+    return Trial(index, target, step, stage, round(rng.uniform(0, statistics.median(stage_seconds[stage])), 3))
 
 
 def table(trials: list[Trial]) -> str:
-    lines = ["| trial | killed | step | armed at | landed in | finished | restarts | lost | dup | "
+    lines = ["| trial | target | killed | armed at | landed in | finished | rank rebuilds | lost | dup | "
              "same weights | s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in trials:
-        lines.append(f"| {t.index} | {t.target} | {t.step} | {t.stage} +{t.delay_s:.2f} s | {t.killed_during or '-'} | "
+        lines.append(f"| {t.index} | {t.target} | {t.killed or '-'} | step={t.step}/{t.stage} +{t.delay_s:.2f} s | "
+                     f"{t.killed_during or '-'} | "
                      f"{'yes' if t.finished else 'NO: ' + t.error} | {t.restarts} | {t.lost_groups} | "
                      f"{t.duplicated_groups} | {'yes' if t.same_weights else 'no'} | {t.wall_s:.0f} |")
     return "\n".join(lines)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import dask
 from distributed import Client, Nanny, Scheduler, SpecCluster
+from distributed.deploy.cluster import Cluster
 
 from flows.schema import GRPOConfig
 
@@ -69,6 +70,20 @@ class Pools:
 WORKER_MALLOC_ENV = {"MALLOC_TRIM_THRESHOLD_": str(256 << 20), "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
 
 
+class _NannyCluster(SpecCluster):
+    """A SpecCluster that keeps every nanny until the cluster closes.
+
+    SpecCluster closes the nanny of a worker whose name the scheduler still lacks
+    ``distributed.deploy.lost-worker-timeout`` (15 s) after removing it. Here each nanny restarts its
+    own worker process, and that restart can take longer than 15 s (a loaded host importing torch), or
+    the worker can die again within 15 s of a previous death: closing the nanny then kills the
+    restart in progress and the worker never comes back. The run's bounded waits
+    (``cluster.worker_wait_s``) decide when a worker is lost, not this timer."""
+
+    def _update_worker_status(self, op, msg):
+        Cluster._update_worker_status(self, op, msg)  # the scheduler's view only; no nanny closed
+
+
 def _worker(resources: dict[str, int]) -> dict:
     # One thread per worker process: torch ops inside use that process's own threads.
     return {"cls": Nanny, "options": {"nthreads": 1, "resources": resources, "memory_limit": 0}}
@@ -103,8 +118,8 @@ def start_cluster(cfg: GRPOConfig) -> tuple[Client, SpecCluster | None]:
     settings = {f"distributed.nanny.pre-spawn-environ.{k}": v for k, v in WORKER_MALLOC_ENV.items()}
     settings["distributed.worker.profile.enabled"] = cfg.cluster.worker_profiler  # the nanny hands it on
     with dask.config.set(settings):
-        cluster = SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.WARNING,
-                              name="grpoflow")
+        cluster = _NannyCluster(workers=workers, scheduler=scheduler, silence_logs=logging.WARNING,
+                                name="grpoflow")
     client = Client(cluster)
     _announce_dashboard(client)
     return client, cluster

@@ -304,7 +304,8 @@ def finish_iteration(pending: PendingIteration, on_stage: Callable[[str], None] 
                 late = ", ".join(s for s, n in pending_n.items() if n)
                 raise WorkerLostError(f"step {step}: training worker {', '.join(lost)} was lost during stages {late}",
                                       lost)
-            for future in finished:
+            # In stage order: a failed task fails its dependents too, and the error names the first stage.
+            for future in sorted(finished, key=lambda f: pending.names.index(stage_of[f.key])):
                 stage = stage_of[future.key]
                 if future.status == "error":
                     raise _failure(client, pools, step, stage, future.exception())

@@ -4,13 +4,16 @@ duplicated, and a lost rollout engine changes nothing in the final weights."""
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 from dataclasses import replace
 
+import dask
 import pytest
 
 from benchmarks.faults import Trial, _Restarts, base_config, check_groups, final_sha, run_trial
-from flows.cluster import start_cluster
+from flows.cluster import start_cluster, worker_addresses
 from flows.config import load_config
 from flows.loop import run
 from flows.schema import ConfigError
@@ -21,6 +24,28 @@ ITERATIONS = 3
 def test_max_restarts_must_not_be_negative():
     with pytest.raises(ConfigError, match="cluster.max_restarts must be >= 0"):
         load_config("configs/tiny.yaml", ["cluster.max_restarts=-1"])
+
+
+def test_a_worker_restarting_longer_than_the_lost_worker_timeout_comes_back(tmp_path):
+    """Dask's SpecCluster closes the nanny of a worker still missing ``lost-worker-timeout`` after it
+    died, killing the nanny's restart in progress; the embedded cluster keeps its nannies. A
+    restart (a new Python process) takes far longer than the 0.1 s timeout set here."""
+    cfg = load_config("configs/tiny.yaml", [f"runs_dir={tmp_path}"])
+    with dask.config.set({"distributed.deploy.lost-worker-timeout": "0.1s"}):
+        client, cluster = start_cluster(cfg)
+        try:
+            for kill in range(2):
+                address = worker_addresses(client)["plain-0"]
+                os.kill(client.run(os.getpid, workers=[address])[address], signal.SIGKILL)
+                deadline = time.monotonic() + 60
+                while worker_addresses(client).get("plain-0") in (None, address):
+                    assert time.monotonic() < deadline, f"plain-0 did not come back after kill {kill}"
+                    time.sleep(0.1)
+                time.sleep(1.0)  # ten timeouts: a nanny closed by the timer would have taken its worker down
+                assert set(worker_addresses(client)) == {"train-0", "train-1", "rollout-0", "plain-0"}, kill
+        finally:
+            client.close()
+            cluster.close()
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,21 @@ tokens allocates exactly
     prompt_len // page_size  +  sum_s ceil((prompt_len % page_size + n_s - 1) / page_size)
 
 blocks over its lifetime (``planner.rollout.estimate_paged_kv_blocks``).
+
+Decode view. The pool is the storage of record: every K/V is written to its block's slot. Decode
+attention on a CPU, though, is a batched matrix-vector product whose cost is reading K and V
+once, and gathering every row's blocks out of the pool before each step (what a GPU
+paged-attention kernel avoids by reading blocks in place) costs more than the layer's matmuls.
+So the live sequences also hold a *lane* each in a contiguous view, per layer
+``[lanes * kv_heads, capacity, head_dim]`` (lane-major, then head, then logical token): the
+new token of a step is written to its pool slot and to the view, and attention is two
+``bmm`` over the first ``live * kv_heads`` matrices of the view, with no copy. A lane's blocks
+are gathered from the pool once, when its sequence enters the view (after prefill, or when it
+moves to another lane); the whole view is re-gathered only when the longest live context crosses a
+block boundary beyond the capacity, or leaves a quarter of it unused. Live lanes stay contiguous:
+a finished sequence's lane is taken by the sequence of the last lane, which is re-gathered.
+The view costs ``2 * layers * lanes * kv_heads * capacity * head_dim`` elements beside the pool
+(``peak_view_bytes``); the pool's block accounting is unchanged by it.
 """
 
 from __future__ import annotations
@@ -27,18 +42,22 @@ import torch.nn.functional as F
 
 __all__ = ["PagedKVCache"]
 
+_CHUNK = 16  # tokens per chunk of the decode view
+
 
 class PagedKVCache:
-    """Block pool, block tables and the attention over gathered blocks.
+    """Block pool, block tables, the decode view and the attention over them.
 
     Before each forward the engine calls :meth:`prepare_prefill` or :meth:`prepare_decode`; the
-    model then calls :meth:`attend` once per layer (the ``AttentionCache`` protocol).
+    model then calls :meth:`attend` once per layer (the ``AttentionCache`` protocol). A decode
+    forward feeds every sequence that holds a lane (every live sequence), in any order.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
                  num_blocks: int, num_seqs: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", num_lanes: int | None = None, max_len: int | None = None):
         self.page_size, self.num_blocks = page_size, num_blocks
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         shape = (num_layers, num_blocks * page_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -49,9 +68,18 @@ class PagedKVCache:
         self.blocks_allocated = 0  # cumulative over the cache's life
         self.peak_blocks = 0
         self._step: tuple = ()
-        # Gather buffers reused by every layer and step: a fresh multi-MB tensor per call would be
-        # mmap-ed and page-faulted each time, costing as much as the copy itself.
-        self._gather_k = self._gather_v = torch.empty(0, dtype=dtype, device=device)
+        # The decode view: lane j holds sequence _lane_seqs[j]; lanes [0, live) are in use.
+        self.num_lanes = num_seqs if num_lanes is None else num_lanes
+        max_len = num_blocks * page_size if max_len is None else max_len
+        self._lane_seqs: list[int] = []
+        self._lane_of: dict[int, int] = {}
+        self._stale: set[int] = set()  # sequences whose lane does not hold their tokens yet
+        # Reserved for the longest sequence; a chunk's pages are first touched when a token reaches it.
+        view = (num_layers, -(-max_len // _CHUNK), self.num_lanes * num_kv_heads, _CHUNK, head_dim)
+        self._view_k = torch.empty(view, dtype=dtype, device=device)
+        self._view_v = torch.empty(view, dtype=dtype, device=device)
+        self._chunks = 0  # chunks in use: lane tokens [0, _chunks * _CHUNK)
+        self._chunks_touched = 0  # chunks zeroed so far (uninitialised memory could hold NaN)
 
     # -- accounting -------------------------------------------------------------------------
     @property
@@ -63,6 +91,11 @@ class PagedKVCache:
     @property
     def pool_bytes(self) -> int:
         return self.block_bytes * self.num_blocks
+
+    @property
+    def view_bytes(self) -> int:
+        """Bytes of the decode view's chunks touched so far (K and V, every layer)."""
+        return 2 * self._view_k[:, : self._chunks_touched].numel() * self._view_k.element_size()
 
     @property
     def live_blocks(self) -> int:
@@ -84,11 +117,14 @@ class PagedKVCache:
 
     # -- sequences --------------------------------------------------------------------------
     def add_group(self, seqs: list[int], prompt_len: int) -> tuple[list[int], list[int]]:
-        """Give the ``seqs`` of one group their prompt blocks.
+        """Give the ``seqs`` of one group their prompt blocks and a lane each.
 
         Returns (prompt token index, destination slot) pairs to write during prefill: a token of
         a shared block once, a token of the partial block once per sample.
         """
+        if len(self._lane_seqs) + len(seqs) > self.num_lanes:
+            raise RuntimeError(f"{len(self._lane_seqs)} live sequences + {len(seqs)} exceed the view's "
+                               f"{self.num_lanes} lanes; the engine admits at most max_num_seqs")
         P = self.page_size
         full, partial = divmod(prompt_len, P)
         shared = [self._alloc(refs=len(seqs)) for _ in range(full)]
@@ -101,6 +137,9 @@ class PagedKVCache:
             for t in range(full * P, prompt_len):
                 src.append(t)
                 dst.append(own[0] * P + t % P)
+            self._lane_of[s] = len(self._lane_seqs)
+            self._lane_seqs.append(s)
+            self._stale.add(s)
         return src, dst
 
     def append(self, seq: int, num_tokens: int = 1) -> None:
@@ -120,9 +159,54 @@ class PagedKVCache:
         self.lengths[seq] = length
 
     def free(self, seq: int) -> None:
+        """Release ``seq``'s blocks and lane; the last lane's sequence moves into the freed lane."""
         for block in self.tables[seq]:
             self._release(block)
         self.tables[seq], self.lengths[seq] = [], 0
+        lane = self._lane_of.pop(seq)
+        last = self._lane_seqs.pop()
+        self._stale.discard(seq)
+        if last != seq:
+            self._lane_seqs[lane], self._lane_of[last] = last, lane
+            self._stale.add(last)
+
+    # -- the decode view --------------------------------------------------------------------
+    def _use_chunks(self, chunks: int) -> None:
+        if chunks > self._view_k.shape[1]:
+            raise RuntimeError(f"a sequence reached {chunks * _CHUNK} tokens, beyond the view's "
+                               f"{self._view_k.shape[1] * _CHUNK}; the engine sized it too small")
+        if chunks > self._chunks_touched:
+            self._view_k[:, self._chunks_touched: chunks].zero_()
+            self._view_v[:, self._chunks_touched: chunks].zero_()
+            self._chunks_touched = chunks
+        self._chunks = chunks
+
+    def _gather_stale(self) -> None:
+        """Copy the tokens of every stale sequence from the pool into its lane (slots past a
+        sequence's length hold finite values that the mask hides)."""
+        if not self._stale:
+            return
+        lanes = sorted(self._lane_of[s] for s in self._stale)
+        P, n, nc = self.page_size, len(lanes), self._chunks
+        L, kvh, d = self.num_layers, self.num_kv_heads, self.head_dim
+        slots = []
+        for j in lanes:
+            table = self.tables[self._lane_seqs[j]]
+            slots += [table[t // P] * P + t % P if t // P < len(table) else 0 for t in range(nc * _CHUNK)]
+        slots = torch.tensor(slots)
+        # Runs of consecutive lanes: an admission is one run, a moved sequence one lane.
+        runs, start = [], 0
+        for i in range(1, n + 1):
+            if i == n or lanes[i] != lanes[i - 1] + 1:
+                runs.append((start, i))
+                start = i
+        for pool, view in ((self.k, self._view_k), (self.v, self._view_v)):
+            rows = pool.view(L, -1, kvh * d).index_select(1, slots)  # (L, n * nc * CHUNK, kvh * d)
+            rows = rows.view(L, n, nc, _CHUNK, kvh, d).permute(0, 2, 1, 4, 3, 5)  # (L, nc, n, kvh, CHUNK, d)
+            lanes_view = view.view(L, -1, self.num_lanes, kvh, _CHUNK, d)
+            for a, b in runs:
+                lanes_view[:, :nc, lanes[a]: lanes[a] + b - a].copy_(rows[:, :, a:b])
+        self._stale.clear()
 
     # -- one forward ------------------------------------------------------------------------
     def prepare_prefill(self, src: torch.Tensor, dst: torch.Tensor, valid: torch.Tensor) -> None:
@@ -134,18 +218,36 @@ class PagedKVCache:
         self._step = ("prefill", src, dst, mask)
 
     def prepare_decode(self, seqs: list[int], positions: torch.Tensor) -> None:
-        """``positions`` [B, T]: logical indices of the T tokens each sequence feeds (slots reserved)."""
-        P = self.page_size
-        nb = max(len(self.tables[s]) for s in seqs)
-        table = torch.tensor([self.tables[s] + [0] * (nb - len(self.tables[s])) for s in seqs])  # (B, nb)
-        write = (table.gather(1, positions // P) * P + positions % P).reshape(-1)  # (B*T,)
-        # Gathered row slot j is logical token j: causal within the new tokens too.
-        mask = torch.arange(nb * P)[None, None, :] <= positions[:, :, None]  # (B, T, S)
-        if self._gather_k.shape[0] < table.numel():
-            shape = (table.numel(), self.k[0].view(self.num_blocks, -1).shape[1])
-            self._gather_k = torch.empty(shape, dtype=self.k.dtype, device=self.k.device)
-            self._gather_v = torch.empty(shape, dtype=self.k.dtype, device=self.k.device)
-        self._step = ("decode", table.reshape(-1), write, mask)
+        """``positions`` [B, T]: logical indices of the T tokens each sequence feeds (slots reserved).
+
+        ``seqs`` are the sequences holding lanes, in the order of the forward's rows.
+        """
+        if len(seqs) != len(self._lane_seqs) or set(seqs) != self._lane_of.keys():
+            raise RuntimeError(f"a decode step feeds every live sequence: got {len(seqs)} of "
+                               f"{len(self._lane_seqs)} live")
+        P, kvh, lanes = self.page_size, self.num_kv_heads, self.num_lanes
+        B, T = positions.shape
+        self._use_chunks(-(-(int(positions.max()) + 1) // _CHUNK))
+        self._gather_stale()
+        write = torch.tensor([self.tables[s][p // P] * P + p % P
+                              for s, row in zip(seqs, positions.tolist()) for p in row])  # (B*T,) pool slots
+        lane = torch.tensor([self._lane_of[s] for s in seqs])  # (B,) lane of each row
+        heads = torch.arange(kvh)
+        # Row (lane, head) of chunk p // CHUNK, token p % CHUNK: (B*kvh*T,) rows of the layer's view.
+        chunk_row = (positions[:, None, :] // _CHUNK * lanes + lane[:, None, None]) * kvh + heads[None, :, None]
+        view_write = (chunk_row * _CHUNK + positions[:, None, :] % _CHUNK).reshape(-1)
+        if torch.equal(lane, torch.arange(B)):
+            to_lanes = None
+        else:
+            to_lanes = torch.empty_like(lane)
+            to_lanes[lane] = torch.arange(B)  # row feeding lane j
+            positions = positions[to_lanes]
+        # Additive mask in lane order, per chunk: lane j sees view tokens 0 .. positions[j, t]
+        # (causal within the new tokens as well).
+        token = torch.arange(self._chunks * _CHUNK).view(self._chunks, 1, 1, _CHUNK)
+        hidden = token > positions.T[None, :, :, None]  # (chunks, T, B, CHUNK)
+        bias = torch.zeros(hidden.shape, dtype=self.k.dtype).masked_fill_(hidden, float("-inf"))
+        self._step = ("decode", write, view_write, to_lanes, lane, bias.permute(0, 2, 1, 3))  # (chunks, B, T, CHUNK)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self._step[0] == "prefill":
@@ -164,20 +266,29 @@ class PagedKVCache:
 
     def _attend_decode(self, layer, q, k, v):
         # q: (B, h, T, d); k, v: (B, kvh, T, d) for the T newest tokens of every sequence.
-        _, blocks, write, mask = self._step
+        _, write, view_write, to_lanes, lane, bias = self._step
         B, h, T, d = q.shape
-        kvh, S = k.shape[1], mask.shape[-1]
-        rep = h // kvh
+        kvh, nc = k.shape[1], self._chunks
+        rep, rows = h // kvh, B * k.shape[1]
         self.k[layer].index_copy_(0, write, k.transpose(1, 2).reshape(B * T, kvh, d))
         self.v[layer].index_copy_(0, write, v.transpose(1, 2).reshape(B * T, kvh, d))
-        # Whole blocks are contiguous in the pool: gathering them is B * nb memcpys, not B * S.
-        n = blocks.numel()
-        keys = torch.index_select(self.k[layer].view(self.num_blocks, -1), 0, blocks, out=self._gather_k[:n])
-        values = torch.index_select(self.v[layer].view(self.num_blocks, -1), 0, blocks, out=self._gather_v[:n])
-        keys, values = keys.view(B, S, kvh, d).transpose(1, 2), values.view(B, S, kvh, d).transpose(1, 2)
+        keys, values = self._view_k[layer], self._view_v[layer]  # (max chunks, lanes*kvh, CHUNK, d)
+        keys.view(-1, d).index_copy_(0, view_write, k.reshape(B * kvh * T, d))
+        values.view(-1, d).index_copy_(0, view_write, v.reshape(B * kvh * T, d))
+        if to_lanes is not None:
+            q = q.index_select(0, to_lanes)
         # Grouped-query attention without repeating K/V: the rep query heads sharing a KV head
-        # become rep*T query rows of that head.
-        qg = q.reshape(B, kvh, rep * T, d)  # rows ordered (rep, T)
-        m = mask.repeat(1, rep, 1)[:, None]  # (B, 1, rep*T, S)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=m)
-        return out.reshape(B, h, T, d)
+        # become rep*T query rows of that head's matrix.
+        qg = q.reshape(rows, rep * T, d) * d ** -0.5  # rows ordered (rep, T)
+        scores = torch.empty(nc, rows, rep * T, _CHUNK, dtype=q.dtype)
+        for c in range(nc):
+            torch.bmm(qg, keys[c, :rows].transpose(1, 2), out=scores[c])
+        scores.view(nc, B, kvh, rep, T, _CHUNK).add_(bias[:, :, None, None])
+        # Softmax over every chunk's tokens at once (dims 0 and 3).
+        scores.sub_(scores.amax(dim=(0, 3), keepdim=True)).exp_()
+        scores.div_(scores.sum(dim=(0, 3), keepdim=True))
+        out = torch.bmm(scores[0], values[0, :rows])
+        for c in range(1, nc):
+            out.baddbmm_(scores[c], values[c, :rows])
+        out = out.view(B, h, T, d)
+        return out if to_lanes is None else out.index_select(0, lane)

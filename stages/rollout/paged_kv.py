@@ -242,12 +242,11 @@ class PagedKVCache:
             to_lanes = torch.empty_like(lane)
             to_lanes[lane] = torch.arange(B)  # row feeding lane j
             positions = positions[to_lanes]
-        # Additive mask in lane order, per chunk: lane j sees view tokens 0 .. positions[j, t]
-        # (causal within the new tokens as well).
-        token = torch.arange(self._chunks * _CHUNK).view(self._chunks, 1, 1, _CHUNK)
-        hidden = token > positions.T[None, :, :, None]  # (chunks, T, B, CHUNK)
+        # Additive mask in lane order: lane j sees view tokens 0 .. positions[j, t] (causal within
+        # the new tokens as well).
+        hidden = torch.arange(self._chunks * _CHUNK)[None, None, :] > positions[:, :, None]  # (B, T, S)
         bias = torch.zeros(hidden.shape, dtype=self.k.dtype).masked_fill_(hidden, float("-inf"))
-        self._step = ("decode", write, view_write, to_lanes, lane, bias.permute(0, 2, 1, 3))  # (chunks, B, T, CHUNK)
+        self._step = ("decode", write, view_write, to_lanes, lane, bias)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self._step[0] == "prefill":
@@ -280,15 +279,11 @@ class PagedKVCache:
         # Grouped-query attention without repeating K/V: the rep query heads sharing a KV head
         # become rep*T query rows of that head's matrix.
         qg = q.reshape(rows, rep * T, d) * d ** -0.5  # rows ordered (rep, T)
-        scores = torch.empty(nc, rows, rep * T, _CHUNK, dtype=q.dtype)
-        for c in range(nc):
-            torch.bmm(qg, keys[c, :rows].transpose(1, 2), out=scores[c])
-        scores.view(nc, B, kvh, rep, T, _CHUNK).add_(bias[:, :, None, None])
-        # Softmax over every chunk's tokens at once (dims 0 and 3).
-        scores.sub_(scores.amax(dim=(0, 3), keepdim=True)).exp_()
-        scores.div_(scores.sum(dim=(0, 3), keepdim=True))
-        out = torch.bmm(scores[0], values[0, :rows])
+        scores = torch.cat([torch.bmm(qg, keys[c, :rows].transpose(1, 2)) for c in range(nc)], dim=-1)
+        scores.view(B, kvh, rep, T, -1).add_(bias[:, None, None])  # (B*kvh, rep*T, S)
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.bmm(probs[..., :_CHUNK], values[0, :rows])
         for c in range(1, nc):
-            out.baddbmm_(scores[c], values[c, :rows])
+            out.baddbmm_(probs[..., c * _CHUNK: (c + 1) * _CHUNK], values[c, :rows])
         out = out.view(B, h, T, d)
         return out if to_lanes is None else out.index_select(0, lane)

@@ -173,8 +173,9 @@ def new_cache(model: DecoderStage, prompts: list[list[int]], params: SamplingPar
     n = engine.max_num_seqs
     blocks = min(sum(shared[:n]) + sum(own_rows[:n]), sum(shared) + sum(own_rows))
     return PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, page, blocks,
-                        len(prompts) * G, dtype=next(model.parameters()).dtype, num_lanes=min(n, len(prompts) * G),
-                        max_len=max(map(len, prompts)) + params.max_new_tokens + lookahead)
+                        len(prompts) * G, dtype=next(model.parameters()).dtype, group_size=G,
+                        num_lanes=min(n, len(prompts) * G),
+                        max_own_tokens=max(len(p) % page for p in prompts) + params.max_new_tokens + lookahead)
 
 
 def prefill_logits(model: DecoderStage, cache: PagedKVCache, prompts: list[list[int]], groups: list[int],

@@ -175,7 +175,7 @@ def new_cache(model: DecoderStage, prompts: list[list[int]], params: SamplingPar
     return PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, page, blocks,
                         len(prompts) * G, dtype=next(model.parameters()).dtype, group_size=G,
                         num_lanes=min(n, len(prompts) * G),
-                        max_own_tokens=max(len(p) % page for p in prompts) + params.max_new_tokens + lookahead)
+                        max_own_tokens=params.max_new_tokens + lookahead)
 
 
 def prefill_logits(model: DecoderStage, cache: PagedKVCache, prompts: list[list[int]], groups: list[int],

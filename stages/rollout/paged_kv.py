@@ -83,8 +83,8 @@ class PagedKVCache:
         self._lanes = _Lanes()
         self._groups = _Lanes()
         self._group_of: dict[int, tuple[int, int]] = {}  # live sequence -> (group, sample index)
-        self._group_live: dict[int, int] = {}  # group -> live sequences
-        self._shared: dict[int, list[int]] = {}  # group -> its shared prompt blocks
+        self._members: dict[int, list[int]] = {}  # group -> its live sequences
+        self._prompt_len: dict[int, int] = {}  # group -> its prompt's length
         max_own = num_blocks * page_size if max_own_tokens is None else max_own_tokens
         own = (num_layers, -(-max_own // _CHUNK), self.num_lanes * num_kv_heads, _CHUNK, head_dim)
         # Reserved for the longest sequence; a chunk's pages are first touched when a token reaches it.
@@ -157,9 +157,9 @@ class PagedKVCache:
             self._lanes.add(s)
             self._group_of[s] = (seqs[0], i)
         self._groups.add(seqs[0])
-        self._group_live[seqs[0]], self._shared[seqs[0]] = len(seqs), shared
-        if full * P > self._shared_k.shape[2]:  # a longer shared prompt: re-gather every live group
-            shape = (self.num_layers, self._num_group_lanes * self.num_kv_heads, full * P, self.head_dim)
+        self._members[seqs[0]], self._prompt_len[seqs[0]] = list(seqs), prompt_len
+        if prompt_len > self._shared_k.shape[2]:  # a longer prompt: re-gather every live group
+            shape = (self.num_layers, self._num_group_lanes * self.num_kv_heads, prompt_len, self.head_dim)
             self._shared_k = torch.empty(shape, dtype=self.k.dtype, device=self.k.device)
             self._shared_v = torch.empty(shape, dtype=self.k.dtype, device=self.k.device)
             self._groups.stale.update(self._groups.seqs)
@@ -188,14 +188,14 @@ class PagedKVCache:
         self.tables[seq], self.lengths[seq] = [], 0
         self._lanes.remove(seq)
         group, _ = self._group_of.pop(seq)
-        self._group_live[group] -= 1
-        if self._group_live[group] == 0:
+        self._members[group].remove(seq)
+        if not self._members[group]:
             self._groups.remove(group)
-            del self._group_live[group], self._shared[group]
+            del self._members[group], self._prompt_len[group]
 
     # -- the decode views -------------------------------------------------------------------
     def _shared_len(self, seq: int) -> int:
-        return len(self._shared[self._group_of[seq][0]]) * self.page_size
+        return self._prompt_len[self._group_of[seq][0]]
 
     def _use_chunks(self, chunks: int) -> None:
         if chunks > self._own_k.shape[1]:
@@ -230,9 +230,9 @@ class PagedKVCache:
         lanes.stale.clear()
 
     def _shared_slots(self, group: int) -> list[int]:
-        """Pool slots of ``group``'s shared prompt, padded with slot 0 to the shared view's length."""
-        P, blocks = self.page_size, self._shared[group]
-        return [b * P + t for b in blocks for t in range(P)] + [0] * (self._shared_k.shape[2] - len(blocks) * P)
+        """Pool slots of ``group``'s prompt, padded with slot 0 to the shared view's length. The
+        partial block's tokens are read from a live sample's copy (all copies are equal)."""
+        return self._slots(self._members[group][0], 0, self._shared_k.shape[2])
 
     def _slots(self, seq: int, start: int, tokens: int) -> list[int]:
         """Pool slots of tokens [start, start + tokens) of ``seq``; slot 0 past its blocks."""

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 __all__ = ["PagedKVCache"]
 
-_CHUNK = 16  # tokens per chunk of the own view
+_CHUNK = 8  # tokens per chunk of the own view
 
 
 class PagedKVCache:

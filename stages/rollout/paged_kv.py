@@ -25,19 +25,21 @@ gathering every row's blocks out of the pool before each step (what a GPU paged-
 avoids by reading blocks in place) costs more than the layer's matmuls. So decode attention reads
 two contiguous views, filled from the pool once and then written in place beside it:
 
-- the *shared view* ``[group lanes * kv_heads, shared_len, head_dim]`` per layer holds each live
-  group's shared prompt blocks once; the group's live rows query it together, one ``bmm`` per
-  (group, kv head) with up to G query rows, so a shared prompt is read once per group and step
-  (the cascade split of shared-prefix attention, as in Hydragen, Juravsky et al. 2024);
+- the *shared view* ``[group lanes * kv_heads, longest prompt, head_dim]`` per layer holds each
+  live group's prompt once (its shared blocks and its partial block, whose G copies are equal);
+  the group's live rows query it together, one ``bmm`` per (group, kv head) with G query rows, so
+  a prompt is read once per group and step (the shared-prefix split of Hydragen, Juravsky et al.
+  2024);
 - the *own view*, chunks of ``_CHUNK`` tokens ``[lanes * kv_heads, _CHUNK, head_dim]`` per layer,
-  holds each live sequence's own tokens (the copied partial prompt block, then its fed tokens) in
-  a lane; a step's new token goes to its pool slot and its lane, and attention is one ``bmm`` per
-  chunk over the first ``live * kv_heads`` matrices, with no copy. Chunks are appended as the
-  longest own context grows, so the view never moves.
+  holds each live sequence's fed tokens in a lane; a step's new token goes to its pool slot and
+  its lane, and attention is one ``bmm`` per chunk over the first ``live * kv_heads`` matrices,
+  with no copy. Chunks are added and dropped as the longest own context grows and shrinks, so the
+  view never moves.
 
-One softmax runs over the concatenated scores of both parts. A lane (a group lane) is gathered
-from the pool when its sequence (group) enters the view, after prefill, or moves: live lanes stay
-contiguous, a finished sequence's lane is taken by the last lane's sequence, which is re-gathered.
+One softmax runs over the concatenated scores of both parts (the same attention as over the
+gathered blocks, up to float summation order). A lane (a group lane) is gathered from the pool
+when its sequence (group) enters the view after prefill, or moves: live lanes stay contiguous, a
+finished sequence's lane is taken by the last lane's sequence, which is re-gathered.
 The views cost bytes beside the pool (``view_bytes``: the shared view plus the own chunks touched);
 the pool's block accounting is unchanged by them.
 """

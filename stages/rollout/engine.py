@@ -106,7 +106,7 @@ class RolloutBatch:
     decode_steps: int = 0
     """model forwards after prefill"""
     kv_view_bytes: int = 0
-    """peak bytes of the contiguous decode view beside the pool (stages/rollout/paged_kv.py)"""
+    """bytes of the decode views beside the pool, at their largest (stages/rollout/paged_kv.py)"""
 
     @property
     def tokens_per_s(self) -> float:

@@ -105,6 +105,8 @@ class RolloutBatch:
     """bytes of the block pool reserved up front"""
     decode_steps: int = 0
     """model forwards after prefill"""
+    kv_view_bytes: int = 0
+    """bytes of the decode views beside the pool, at their largest (stages/rollout/paged_kv.py)"""
 
     @property
     def tokens_per_s(self) -> float:
@@ -171,7 +173,9 @@ def new_cache(model: DecoderStage, prompts: list[list[int]], params: SamplingPar
     n = engine.max_num_seqs
     blocks = min(sum(shared[:n]) + sum(own_rows[:n]), sum(shared) + sum(own_rows))
     return PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, page, blocks,
-                        len(prompts) * G, dtype=next(model.parameters()).dtype)
+                        len(prompts) * G, dtype=next(model.parameters()).dtype, group_size=G,
+                        num_lanes=min(n, len(prompts) * G),
+                        max_own_tokens=params.max_new_tokens + lookahead)
 
 
 def prefill_logits(model: DecoderStage, cache: PagedKVCache, prompts: list[list[int]], groups: list[int],
@@ -270,6 +274,7 @@ def assemble(state: Rollout, cache: PagedKVCache, seconds: float, steps: int) ->
         kv_allocated_bytes=cache.blocks_allocated * cache.block_bytes,
         kv_pool_bytes=cache.pool_bytes,
         decode_steps=steps,
+        kv_view_bytes=cache.view_bytes,
     )
 
 
@@ -288,7 +293,7 @@ def check_inputs(model: DecoderStage, prompts: list[list[int]], params: Sampling
                          "raise max_num_seqs, a group is admitted whole")
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate(model: DecoderStage, prompts: list[list[int]], params: SamplingParams,
              generator: torch.Generator, engine: EngineConfig | None = None) -> RolloutBatch:
     """Sample ``params.group_size`` completions for each tokenised prompt."""

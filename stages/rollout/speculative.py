@@ -178,7 +178,7 @@ def _resize(cache: PagedKVCache, row: int, length: int) -> None:
         cache.append(row, length - cache.lengths[row])
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate_speculative(target: DecoderStage, draft: DecoderStage, prompts: list[list[int]],
                          params: SamplingParams, generator: torch.Generator, num_draft_tokens: int = 4,
                          engine: EngineConfig | None = None,

@@ -5,11 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from stages.policy import DecoderConfig, build_stage
 from stages.rollout import FINISH_LENGTH, FINISH_STOP, EngineConfig, RolloutBatch, SamplingParams, generate
+from stages.rollout import engine as engine_module
+from stages.rollout.paged_kv import PagedKVCache
+from stages.rollout.speculative import draft_from_target, generate_speculative
 
 _LOGP_ATOL = 1e-4  # cached decode vs. one full fp32 forward
+_VIEW_LOGP_ATOL = 1e-5  # decode views vs. attention over gathered pool blocks: float summation order only
 _PAD = 0
 
 
@@ -244,3 +249,69 @@ def test_pool_holds_groups_left_with_one_live_row():
         for g, n in enumerate(len(p) for p in prompts))
     one_group = max(n // 4 + 4 * -(-(n % 4 + 12) // 4) for n in map(len, prompts)) * page_bytes  # at full length
     assert batch.kv_cache_bytes > one_group, "the seed should keep two groups' prompt blocks live at once"
+
+
+class _PoolAttention(PagedKVCache):
+    """Reference decode attention: each row's tokens gathered from the pool by its block table
+    every step, then masked SDPA over them (the decode views are bypassed)."""
+
+    def prepare_decode(self, seqs, positions):
+        super().prepare_decode(seqs, positions)
+        self._rows = (list(seqs), positions)
+
+    def _attend_decode(self, layer, q, k, v):
+        write, (seqs, positions) = self._step[1], self._rows
+        B, h, T, d = q.shape
+        kvh, P = k.shape[1], self.page_size
+        self.k[layer].index_copy_(0, write, k.transpose(1, 2).reshape(B * T, kvh, d))
+        self.v[layer].index_copy_(0, write, v.transpose(1, 2).reshape(B * T, kvh, d))
+        out = torch.empty_like(q)
+        for b, (seq, pos) in enumerate(zip(seqs, positions)):
+            n = int(pos.max()) + 1
+            slots = torch.tensor([self.tables[seq][t // P] * P + t % P for t in range(n)])
+            keys = self.k[layer, slots].transpose(0, 1).repeat_interleave(h // kvh, 0)  # (h, n, d)
+            values = self.v[layer, slots].transpose(0, 1).repeat_interleave(h // kvh, 0)
+            mask = torch.arange(n)[None, :] <= pos[:, None]  # (T, n)
+            out[b] = F.scaled_dot_product_attention(q[b], keys, values, attn_mask=mask)
+        return out
+
+
+@pytest.mark.parametrize("page, max_num_seqs", [(4, 64), (3, 4), (1, 7)])
+def test_decode_views_match_attention_over_the_pool(monkeypatch, page, max_num_seqs):
+    """Same tokens, log-probs equal up to summation order, as attention over each row's pool blocks:
+    GQA, partial prompt blocks, rows stopping (lanes move) and groups refilled (groups move)."""
+    model, prompts = make_model(seed=8), make_prompts(lengths=(3, 9, 1, 6, 13), seed=8)
+    params = make_params(group_size=3, max_new_tokens=9, temperature=1.3, stop_ids=(2, 7))
+    engine = EngineConfig(page_size=page, max_num_seqs=max_num_seqs)
+    views = run(model, prompts, params, seed=4, engine=engine)
+    monkeypatch.setattr(engine_module, "PagedKVCache", _PoolAttention)
+    pool = run(model, prompts, params, seed=4, engine=engine)
+    assert views.length.min() < params.max_new_tokens < views.length.max() + 1, "rows should stop at spread lengths"
+    assert np.array_equal(views.tokens, pool.tokens) and np.array_equal(views.length, pool.length)
+    assert np.abs(views.behav_logp - pool.behav_logp).max() <= _VIEW_LOGP_ATOL
+    assert views.kv_allocated_bytes == pool.kv_allocated_bytes and views.kv_cache_bytes == pool.kv_cache_bytes
+
+
+def test_speculative_decode_views_match_attention_over_the_pool(monkeypatch):
+    """Several new tokens per row and step, rejected drafts truncated: the views still agree."""
+    target = make_model(make_cfg(num_hidden_layers=3), seed=9)
+    draft = draft_from_target(target, 1)
+    prompts = make_prompts(lengths=(5, 2, 8), seed=9)
+    params = make_params(group_size=2, max_new_tokens=10, temperature=1.2, stop_ids=(4,))
+    engine = EngineConfig(page_size=3, max_num_seqs=4)
+    views, stats = generate_speculative(target, draft, prompts, params, torch.Generator().manual_seed(1), 3, engine)
+    monkeypatch.setattr(engine_module, "PagedKVCache", _PoolAttention)
+    pool, _ = generate_speculative(target, draft, prompts, params, torch.Generator().manual_seed(1), 3, engine)
+    assert 0 < stats.accepted < stats.drafted, "some drafts should be rejected"
+    assert np.array_equal(views.tokens, pool.tokens) and np.array_equal(views.length, pool.length)
+    assert np.abs(views.behav_logp - pool.behav_logp).max() <= _VIEW_LOGP_ATOL
+
+
+def test_decode_view_bytes_are_counted_by_hand():
+    """Shared view: one lane per group of the longest prompt; own view: one 8-token chunk per lane."""
+    cfg = make_cfg()  # 2 layers, 2 kv heads, head_dim 8, fp32
+    batch = run(make_model(cfg), make_prompts(lengths=(3, 6, 1)), make_params(group_size=3, max_new_tokens=6))
+    layers, kvh, d, fp32 = 2, 2, 8, 4
+    shared = 3 * kvh * 6 * d  # 3 groups x kv heads x longest prompt x head_dim
+    own = 9 * kvh * 8 * d  # 9 lanes x kv heads x one chunk (5 fed tokens) x head_dim
+    assert batch.kv_view_bytes == 2 * layers * (shared + own) * fp32

@@ -32,6 +32,7 @@ __all__ = [
     "document_mask",
     "document_positions",
     "layer_ranges",
+    "rope_cos_sin",
     "rope_inv_freq",
     "to_hf_name",
     "from_hf_name",
@@ -136,12 +137,19 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[RopeScaling] = 
     return torch.where(wavelen < ctx / scaling.high_freq_factor, freq, out)
 
 
-def _rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate halves (HF convention). x: [B, h, T, d]; positions: [B, T]; inv_freq: [d/2] fp32."""
-    d = x.shape[-1]
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [B, 1, T, d] of the rotary angles at ``positions`` [B, T] (inv_freq [d/2] fp32),
+    halves repeated (HF convention); computed once per forward and shared by every layer."""
     angles = positions.float()[:, None, :, None] * inv_freq  # (B, 1, T, d/2)
-    cos = torch.cat([angles.cos(), angles.cos()], dim=-1).to(x.dtype)
-    sin = torch.cat([angles.sin(), angles.sin()], dim=-1).to(x.dtype)
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat([cos, cos], dim=-1).to(dtype), torch.cat([sin, sin], dim=-1).to(dtype)
+
+
+def _rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate halves (HF convention). x: [B, h, T, d]; rope: :func:`rope_cos_sin`."""
+    cos, sin = rope
+    d = x.shape[-1]
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -152,7 +160,6 @@ class Attention(nn.Module):
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-        self.theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
@@ -165,7 +172,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 cache: Optional[AttentionCache], attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)  # (B, T, h, d)
@@ -174,8 +181,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, h, T, d), (B, kvh, T, d)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.rope_scaling, x.device)
-        q, k = _rope(q, positions, inv_freq), _rope(k, positions, inv_freq)
+        q, k = _rope(q, rope), _rope(k, rope)
         if cache is not None:
             out = cache.attend(self.layer, q, k, v)
         else:
@@ -207,8 +213,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, cache=None, attn_mask=None):
-        x = x + self.self_attn(self.input_layernorm(x), positions, cache, attn_mask)
+    def forward(self, x, rope, cache=None, attn_mask=None):
+        """``rope``: the (cos, sin) of :func:`rope_cos_sin` at this row's positions."""
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache, attn_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -288,8 +295,10 @@ class DecoderStage(nn.Module):
         if positions is None:
             B, T = x.shape[:2]
             positions = torch.arange(T, device=x.device).expand(B, T)
+        rope = rope_cos_sin(positions, rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling,
+                                                     x.device), x.dtype)
         for layer in self.layers.values():
-            x = layer(x, positions, cache, attn_mask)
+            x = layer(x, rope, cache, attn_mask)
         if self.is_last:
             x = self.norm(x)
             if not self.return_hidden:

@@ -1,7 +1,8 @@
 """Weight sync inside the flow: cluster.weight_sync=disk vs memory, from the runs' own step metrics.
 
-For each model size, one short synchronous run per mode (same config otherwise, one after the
-other on the same machine), then medians over steps 1.. (step 0 loads v0 from disk in both modes):
+For each model size, one short synchronous run per mode (disk; memory with
+cluster.weight_sync_content_hash verify and none; the same config otherwise, one after the other
+on the same machine), then medians over steps 1.. (step 0 loads v0 from disk in every mode):
 
   train side    memory: weight_sync_memory_send_seconds (announce + broadcast of the pp ranks'
                 shards, hashing included, the larger of the ranks) and its bytes; both modes write
@@ -35,10 +36,15 @@ COLUMNS = ("weight_sync_memory_send_seconds", "weight_sync_memory_send_bytes", "
            "weight_sync_memory_receive_seconds", "iteration_seconds")
 
 
-def _run(runs_dir: str, name: str, model: list[str], mode: str, iterations: int, prompts: int) -> list[dict]:
+MODES = {"disk": ["cluster.weight_sync=disk"],
+         "memory (verify)": ["cluster.weight_sync=memory", "cluster.weight_sync_content_hash=verify"],
+         "memory (none)": ["cluster.weight_sync=memory", "cluster.weight_sync_content_hash=none"]}
+
+
+def _run(runs_dir: str, name: str, overrides: list[str], iterations: int, prompts: int) -> list[dict]:
     cfg = load_config("configs/tiny.yaml", [
-        f"iterations={iterations}", f"run_name={name}-{mode}", f"runs_dir={runs_dir}", "warmup.steps=30",
-        f"task.prompts_per_step={prompts}", "train.micro_batch_size=16", f"cluster.weight_sync={mode}", *model])
+        f"iterations={iterations}", f"run_name={name}", f"runs_dir={runs_dir}", "warmup.steps=30",
+        f"task.prompts_per_step={prompts}", "train.micro_batch_size=16", *overrides])
     return run(cfg, progress=False).metrics
 
 
@@ -57,8 +63,8 @@ def main() -> None:
     print("| model | mode | " + " | ".join(COLUMNS) + " |")
     print("|---|---|" + "---|" * len(COLUMNS))
     for i, (name, model) in enumerate(MODELS.items()):
-        for mode in ("disk", "memory"):
-            metrics = _run(runs_dir, f"m{i}", model, mode, args.iterations, args.prompts)
+        for j, (mode, overrides) in enumerate(MODES.items()):
+            metrics = _run(runs_dir, f"m{i}-{j}", [*model, *overrides], args.iterations, args.prompts)
             cells = []
             for key in COLUMNS:
                 v = _median(metrics, key)

@@ -39,7 +39,7 @@ from stages.train.rendezvous import free_port
 from storage.model_folder import load_hf_config
 from storage.policies import PolicyRef
 
-__all__ = ["open_channel", "reopen_if_engines_moved", "connect_sender", "send_version", "start_receiver",
+__all__ = ["open_channel", "reopen_if_engines_moved", "close_channel", "connect_sender", "send_version", "start_receiver",
            "received_version", "close_endpoints", "step_metrics"]
 
 log = logging.getLogger(__name__)
@@ -75,12 +75,19 @@ def open_channel(client: Client, cfg: GRPOConfig, pools: Pools, policy: PolicyRe
                             content_hash=c.weight_sync_content_hash,
                             channel=f"{cfg.run_name}-{port}-{next(_COUNTER)}")
     keep = cfg.rollout.max_staleness + 2  # versions ahead of the one in use: at most s + 1 in flight
-    for i, address in enumerate(engines.values()):
-        client.run(start_receiver, cfg.run_name, sync, i, policy.path, keep, workers=[address])
+    _OPEN[cfg.run_name] = (sync.channel, engines)
+    try:
+        for i, address in enumerate(engines.values()):
+            client.run(start_receiver, cfg.run_name, sync, i, policy.path, keep, workers=[address])
+    except Exception as exc:  # an engine died just now
+        log.warning("weight sync: an engine did not start its receiver (%s); versions load from disk until the "
+                    "channel reopens", exc)
+        close_channel(client, cfg, forget=False)
+        return
     futures = [client.submit(connect_sender, cfg, sync, workers=[w], resources={"train": 1}, pure=False,
                              key=f"weight-sync-connect-{r}-{sync.channel}")
                for r, w in enumerate(pools.train_addresses)]
-    limit_s = 2 * sync.timeout_s + c.worker_wait_s  # the rendezvous, then the groups
+    limit_s = 3 * sync.timeout_s + c.worker_wait_s  # store, signatures and groups, each bounded
     try:
         wait(futures, timeout=limit_s)
     except TimeoutError as exc:
@@ -89,14 +96,14 @@ def open_channel(client: Client, cfg: GRPOConfig, pools: Pools, policy: PolicyRe
         raise ClusterError(f"weight sync: the training ranks did not join channel {sync.channel} within "
                            f"{limit_s:.0f} s") from exc
     errors = [f.result() for f in futures if f.result()]
+    if errors:  # no half-open channel: every side closes, the run goes on by disk
+        close_channel(client, cfg, forget=False)
     mismatch = next((e for e in errors if e.startswith(SignatureMismatchError.__name__)), None)
     if mismatch:
-        close_channel(client, cfg)
         raise SignatureMismatchError(mismatch.split(": ", 1)[1])
     if errors:
         log.warning("weight sync: channel %s did not open (%s); versions load from disk until it reopens",
                     sync.channel, errors[0])
-    _OPEN[cfg.run_name] = (sync.channel, engines)
 
 
 def reopen_if_engines_moved(client: Client, cfg: GRPOConfig, pools: Pools, policy: PolicyRef) -> None:
@@ -112,9 +119,11 @@ def reopen_if_engines_moved(client: Client, cfg: GRPOConfig, pools: Pools, polic
         open_channel(client, cfg, pools, policy)
 
 
-def close_channel(client: Client, cfg: GRPOConfig) -> None:
-    """Close the run's channel on every worker."""
-    _OPEN.pop(cfg.run_name, None)
+def close_channel(client: Client, cfg: GRPOConfig, forget: bool = True) -> None:
+    """Close the run's channel on every worker; ``forget=False`` keeps the engines it was opened
+    with, so a replaced engine still reopens it (:func:`reopen_if_engines_moved`)."""
+    if forget:
+        _OPEN.pop(cfg.run_name, None)
     try:
         client.run(close_endpoints, cfg.run_name)
     except Exception as exc:  # a worker that is gone holds no endpoint

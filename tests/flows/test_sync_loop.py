@@ -2,7 +2,8 @@
 flows.iteration.run_iteration called step after step over the same config gives the same Zarr arrays
 and the same policy weights, bit for bit. Both use cluster.weight_sync = memory, so the engine
 generates from the weights it received, and the test checks that it did: each received version's
-content hash is that of the published folder's tensors."""
+content hash is that of the published folder's tensors. A run stopped after 2 iterations and
+resumed to 3 gives the same arrays and weights too."""
 
 from __future__ import annotations
 
@@ -61,7 +62,12 @@ def two_paths(tmp_path_factory):
         summary = run(loop_cfg, progress=False)
         ref_cfg = replace(loop_cfg, runs_dir=str(tmp_path_factory.mktemp("reference")))
         _step_by_step(client, ref_cfg, check_pools(client, ref_cfg))
-        yield Path(run_folder(loop_cfg).root), summary, Path(run_folder(ref_cfg).root)
+        # Resumed: 2 iterations, then the same run to 3 (a new driver-side channel from v2).
+        resumed_cfg = replace(loop_cfg, runs_dir=str(tmp_path_factory.mktemp("resumed")), iterations=2)
+        run(resumed_cfg, progress=False)
+        resumed = run(replace(resumed_cfg, iterations=ITERATIONS), progress=False)
+        yield (Path(run_folder(loop_cfg).root), summary, Path(run_folder(ref_cfg).root),
+               Path(run_folder(resumed_cfg).root), resumed)
     finally:
         client.close()
         cluster.close()
@@ -72,8 +78,7 @@ def _weights_sha(run_dir: Path) -> dict[str, str]:
             for p in sorted((run_dir / "policy").rglob("*.safetensors"))}
 
 
-def test_the_synchronous_loop_equals_run_iteration_step_by_step(two_paths):
-    loop_dir, _, ref_dir = two_paths
+def _same_run(loop_dir: Path, ref_dir: Path) -> None:
     za = zarr.open_group(str(loop_dir / "rollouts.zarr"), mode="r")
     zb = zarr.open_group(str(ref_dir / "rollouts.zarr"), mode="r")
     steps = [f"step_{k}" for k in range(ITERATIONS)]
@@ -86,8 +91,20 @@ def test_the_synchronous_loop_equals_run_iteration_step_by_step(two_paths):
     assert len(sha_loop) >= ITERATIONS + 1 and sha_loop == sha_ref  # policy v0 .. v3, both pipeline shards
 
 
+def test_the_synchronous_loop_equals_run_iteration_step_by_step(two_paths):
+    loop_dir, _, ref_dir, _, _ = two_paths
+    _same_run(loop_dir, ref_dir)
+
+
+def test_a_resumed_memory_sync_run_equals_the_uninterrupted_one(two_paths):
+    loop_dir, _, _, resumed_dir, resumed = two_paths
+    _same_run(loop_dir, resumed_dir)
+    # The resumed process built its ranks from v2 and opened a new channel: step 2 read v2 from disk.
+    assert (resumed.metrics[2]["weight_loads_from_memory"], resumed.metrics[2]["weight_loads_from_disk"]) == (0, 1)
+
+
 def test_the_engine_generated_from_the_weights_it_received(two_paths):
-    loop_dir, summary, _ = two_paths
+    loop_dir, summary, *_ = two_paths
     from storage.rollouts import RolloutStore
 
     store = RolloutStore(loop_dir / "rollouts.zarr")
@@ -104,3 +121,14 @@ def test_the_engine_generated_from_the_weights_it_received(two_paths):
         (load,) = store.attrs(step)["results_rollout"]
         _, _, tensors = load_model_folder(loop_dir / "policy" / f"v{step}")
         assert load["weights_from"] == "memory" and load["weights_content_hash"] == state_digest(tensors)
+
+
+def test_colocated_engines_receive_beside_their_training_rank(tmp_path):
+    """cluster.placement=colocated: the engine's receiving thread runs in training worker 0's
+    process, beside pipeline rank 0's sender; versions still arrive in memory."""
+    cfg = load_config("configs/tiny.yaml", [
+        "iterations=2", "run_name=colocated", f"runs_dir={tmp_path}", "warmup.steps=30", "task.prompts_per_step=8",
+        "train.micro_batch_size=16", "cluster.placement=colocated", "cluster.weight_sync=memory"])
+    metrics = run(cfg, progress=False).metrics
+    assert [(m["weight_loads_from_memory"], m["weight_loads_from_disk"]) for m in metrics] == [(0, 1), (1, 0)]
+    assert all(m["weight_sync_memory_send_failures"] == 0 for m in metrics)

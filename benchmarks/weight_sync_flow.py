@@ -14,7 +14,7 @@ on the same machine), then medians over steps 1.. (step 0 loads v0 from disk in 
                 receiving thread's broadcast + copy)
   step          iteration_seconds (submission to the step's last stage)
 
-    PYTHONPATH=. .venv/bin/python benchmarks/weight_sync_flow.py [--iterations 4] [--runs-dir DIR]
+    PYTHONPATH=. .venv/bin/python benchmarks/weight_sync_flow.py [--iterations 4] [--reverse] [--models 0,1]
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ MODELS = {
     "h512, 8 layers": ["model.hidden_size=512", "model.intermediate_size=1408", "model.num_hidden_layers=8",
                        "model.num_attention_heads=8", "model.num_key_value_heads=8"],
 }
-COLUMNS = ("weight_sync_memory_send_seconds", "weight_sync_memory_send_bytes", "publish_write_seconds",
+COLUMNS = ("weight_sync_memory_send_seconds", "weight_sync_memory_send_hash_seconds", "weight_sync_memory_send_bytes",
+           "publish_write_seconds",
            "publish_seconds", "weight_load_disk_seconds", "weight_sync_memory_load_seconds",
            "weight_sync_memory_receive_seconds", "iteration_seconds")
 
@@ -58,13 +59,21 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--runs-dir", default=None)
+    parser.add_argument("--reverse", action="store_true", help="run the modes in reverse order")
+    parser.add_argument("--models", default=",".join(str(i) for i in range(len(MODELS))),
+                        help="indices into MODELS, comma-separated")
     args = parser.parse_args()
+    modes = list(MODES.items())[::-1] if args.reverse else list(MODES.items())
+    chosen = {int(i) for i in args.models.split(",")}
     runs_dir = args.runs_dir or tempfile.mkdtemp(prefix="weight-sync-flow-")
     print("| model | mode | " + " | ".join(COLUMNS) + " |")
     print("|---|---|" + "---|" * len(COLUMNS))
     for i, (name, model) in enumerate(MODELS.items()):
-        for j, (mode, overrides) in enumerate(MODES.items()):
-            metrics = _run(runs_dir, f"m{i}-{j}", [*model, *overrides], args.iterations, args.prompts)
+        if i not in chosen:
+            continue
+        for j, (mode, overrides) in enumerate(modes):
+            metrics = _run(runs_dir, f"m{i}-{mode.split()[0]}{j}", [*model, *overrides], args.iterations,
+                           args.prompts)
             cells = []
             for key in COLUMNS:
                 v = _median(metrics, key)

@@ -21,7 +21,8 @@ from stages.train.buckets import BucketedLayout, bucketed_layout, microbatches_p
 from stages.train.plan import MicrobatchLayout, microbatch_layout
 from storage.model_folder import load_hf_config
 
-__all__ = ["ConfigError", "PLACEMENTS", "WEIGHT_SYNCS", "ClusterConfig", "MlflowConfig", "GRPOConfig", "config_hash", "config_to_dict"]
+__all__ = ["ConfigError", "PLACEMENTS", "WEIGHT_SYNCS", "ClusterConfig", "MlflowConfig", "GRPOConfig", "config_hash",
+           "config_to_dict"]
 
 
 PLACEMENTS = ("colocated", "decoupled")

@@ -39,8 +39,8 @@ from stages.train.rendezvous import free_port
 from storage.model_folder import load_hf_config
 from storage.policies import PolicyRef
 
-__all__ = ["open_channel", "reopen_if_engines_moved", "close_channel", "connect_sender", "send_version", "start_receiver",
-           "received_version", "close_endpoints", "step_metrics"]
+__all__ = ["open_channel", "reopen_if_engines_moved", "close_channel", "connect_sender", "send_version",
+           "start_receiver", "received_version", "close_endpoints", "step_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +199,8 @@ def send_version(run_name: str, state: dict | None, version: int) -> dict[str, f
         return {**out, "weight_sync_memory_send_seconds": time.perf_counter() - t0,
                 "weight_sync_memory_send_failed": 1}
     return {**out, "weight_sync_memory_send_seconds": time.perf_counter() - t0,
-            "weight_sync_memory_send_bytes": stats.num_bytes, "weight_sync_memory_send_hash_seconds": stats.hash_seconds}
+            "weight_sync_memory_send_bytes": stats.num_bytes,
+            "weight_sync_memory_send_hash_seconds": stats.hash_seconds}
 
 
 # -- the engines ----------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from typing import Callable
 from dask.base import tokenize
 from distributed import Client, Future, wait
 
-from flows import tasks
+from flows import tasks, weight_sync
 from flows.cluster import Pools, lost_workers, worker_addresses
 from flows.schema import GRPOConfig, config_hash
 from stages.config import effective_off_policy
@@ -395,6 +395,7 @@ def _collect(step: int, values: dict[str, list], stage_seconds: dict[str, float]
         for e in events:
             if "ts" in e:
                 e["ts"] -= origin
+    m.update(weight_sync.step_metrics(values))
     m.update({f"{s}_seconds": v for s, v in stage_seconds.items()})
     busy = [("rollout", r["task_start"], r["task_end"]) for r in values["rollout"]]
     busy += [("train", r["task_start"], r["task_end"]) for s in ("reference", "proximal", "train")

@@ -30,7 +30,7 @@ import numpy as np
 from distributed import wait
 from tqdm.auto import tqdm
 
-from flows import tasks
+from flows import tasks, weight_sync
 from flows.async_schedule import behaviour_version, released_by, trainer_version
 from flows.cluster import (ClusterError, Pools, check_pools, dashboard_link, lost_workers, restart_train_workers,
                            start_cluster)
@@ -118,6 +118,7 @@ def _init_ranks(client, cfg: GRPOConfig, pools: Pools, policy: PolicyRef) -> Non
         raise ClusterError(f"training ranks did not start within cluster.worker_wait_s + train.timeout_s = "
                            f"{limit_s:.0f} s: {', '.join(late)}") from exc
     client.gather(futures)
+    weight_sync.open_channel(client, cfg, pools, policy)  # cluster.weight_sync = memory only
 
 
 def _resume_point(cfg: GRPOConfig, folder: RunFolder) -> tuple[int, int | None]:
@@ -333,6 +334,8 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
         version = behaviour_version(step, s)
         # A resumed run's first steps may ask for versions published by the earlier process.
         behaviour = published.get(version) or folder.policy_store().ref(version)
+        if not in_flight:  # the training workers are idle: a replaced engine may rejoin the channel
+            weight_sync.reopen_if_engines_moved(client, cfg, pools, behaviour)
         prev_train = in_flight[-1].train_gate if in_flight else ()
         handles[step] = lineage.start_step(step, version)  # the child run spans the step from its submission
         in_flight.append(submit_iteration(client, cfg, pools, folder, step, behaviour, prev_train))

@@ -21,10 +21,13 @@ from stages.train.buckets import BucketedLayout, bucketed_layout, microbatches_p
 from stages.train.plan import MicrobatchLayout, microbatch_layout
 from storage.model_folder import load_hf_config
 
-__all__ = ["ConfigError", "PLACEMENTS", "ClusterConfig", "MlflowConfig", "GRPOConfig", "config_hash", "config_to_dict"]
+__all__ = ["ConfigError", "PLACEMENTS", "WEIGHT_SYNCS", "ClusterConfig", "MlflowConfig", "GRPOConfig", "config_hash",
+           "config_to_dict"]
 
 
 PLACEMENTS = ("colocated", "decoupled")
+WEIGHT_SYNCS = ("memory", "disk")
+CONTENT_HASHES = ("verify", "send", "none")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -66,6 +69,19 @@ class ClusterConfig:
     """Embedded cluster: Dask's statistical profiler on the workers (the dashboard's Profile tab). It
     samples every thread's stack every 10 ms, which cost the training ranks ~10% of their step at
     the tiny config (docs/performance.md); off unless asked for."""
+    weight_sync: str = "disk"
+    """How a new policy version reaches the rollout engines. disk: the engine loads the published
+    folder. memory: the pipeline ranks also broadcast it to the engines right after the optimiser
+    step (torch.distributed: gloo on CPU, NCCL for CUDA tensors) and the engine takes the weights
+    it received; a version it did not receive (the one the ranks were built from, a failed send, a
+    replaced engine) comes from disk. The published folders are written either way
+    (flows/weight_sync.py; docs/performance.md compares the two)."""
+    weight_sync_timeout_s: float = 60.0
+    """memory: bound of every weight-sync wait (the channel's rendezvous, each broadcast, an engine
+    waiting for a version that is on its way)."""
+    weight_sync_content_hash: str = "verify"
+    """memory: verify (the ranks send a sha256 per tensor, the engine checks the bytes it got),
+    send (the engine only combines the ranks' digests into the version's content hash) or none."""
 
     def __post_init__(self) -> None:
         _require(self.colocated is None,
@@ -79,6 +95,12 @@ class ClusterConfig:
         _require(self.iteration_timeout_s > 0, "cluster.iteration_timeout_s must be > 0")
         _require(self.max_restarts >= 0, "cluster.max_restarts must be >= 0 (0: a lost training worker fails the run)")
         _require(self.worker_wait_s > 0, "cluster.worker_wait_s must be > 0")
+        _require(self.weight_sync in WEIGHT_SYNCS,
+                 f"cluster.weight_sync={self.weight_sync!r} is not one of {', '.join(WEIGHT_SYNCS)}")
+        _require(self.weight_sync_timeout_s > 0, "cluster.weight_sync_timeout_s must be > 0")
+        _require(self.weight_sync_content_hash in CONTENT_HASHES,
+                 f"cluster.weight_sync_content_hash={self.weight_sync_content_hash!r} is not one of "
+                 f"{', '.join(CONTENT_HASHES)}")
 
     @property
     def colocated_pools(self) -> bool:

@@ -14,6 +14,7 @@ import time
 import numpy as np
 import torch
 
+from flows import weight_sync
 from flows.schema import GRPOConfig, config_hash
 from stages.advantage import normalize_advantages
 from stages.data import PromptRecord, PromptSource, open_prompt_source
@@ -171,6 +172,7 @@ def init_train_rank(cfg: GRPOConfig, rank: int, init_method: str, policy: Policy
 
 
 def shutdown_train_rank(run_name: str) -> bool:
+    weight_sync.close_endpoints(run_name)
     engine = _TRAIN_RANKS.pop(run_name, None)
     if engine is not None:
         engine.close()
@@ -184,23 +186,38 @@ def _rank(run_name: str) -> TrainRank:
 
 
 # -- rollout ------------------------------------------------------------------------------------------
-def _rollout_model(cfg: GRPOConfig, engine_key: str, policy: PolicyRef) -> tuple[torch.nn.Module, TextCodec, float]:
-    """The engine's model at ``policy``; loads the version if it is not the one held (weight sync)."""
+def _rollout_model(cfg: GRPOConfig, engine_key: str, policy: PolicyRef) -> tuple[torch.nn.Module, TextCodec, dict]:
+    """The engine's model at ``policy``; loads the version if it is not the one held: the weights
+    the engine received in memory when it did (cluster.weight_sync = memory), else the published
+    folder (flows/weight_sync.py). Also returns where the weights came from and what it cost."""
     held = _ROLLOUT_MODELS.get(engine_key)
     if held is not None and held[0] == policy.sha256:
         # The same bytes (a step whose update left every weight as it was, e.g. all advantages 0):
         # the engine holds this version too.
         _ROLLOUT_VERSIONS[engine_key] = policy.version
-        return held[1], held[2], 0.0
+        return held[1], held[2], {"weight_load_seconds": 0.0, "weights_from": "held"}
     t0 = time.perf_counter()
-    hf_config, tokenizer_json, tensors = load_model_folder(policy.path)
-    model = build_stage(DecoderConfig.from_hf(hf_config))
-    load_hf_state(model, tensors)
-    model.eval()
-    codec = TextCodec.from_policy_folder(policy.path, cfg.dataset.chat_template)
+    received, why = weight_sync.received_version(cfg, policy.version)
+    if received is not None and held is not None:  # into the model the engine holds
+        model, codec = held[1], held[2]
+        load_hf_state(model, received.tensors)
+    else:
+        hf_config, tokenizer_json, tensors = load_model_folder(policy.path, names=set() if received else None)
+        model = build_stage(DecoderConfig.from_hf(hf_config))
+        load_hf_state(model, received.tensors if received else tensors)
+        model.eval()
+        codec = TextCodec.from_policy_folder(policy.path, cfg.dataset.chat_template)
+    # The version tag: the version the sync's header carried, or the folder's.
     _ROLLOUT_MODELS[engine_key] = (policy.sha256, model, codec)
-    _ROLLOUT_VERSIONS[engine_key] = policy.version
-    return model, codec, time.perf_counter() - t0
+    _ROLLOUT_VERSIONS[engine_key] = received.tag.version if received else policy.version
+    load_s = time.perf_counter() - t0
+    if received is None:
+        return model, codec, {"weight_load_seconds": load_s, "weight_load_disk_seconds": load_s,
+                              "weights_from": "disk", "weights_not_in_memory": why}
+    return model, codec, {"weight_load_seconds": load_s, "weight_sync_memory_load_seconds": load_s,
+                          "weight_sync_memory_receive_seconds": received.stats.seconds + received.copy_seconds,
+                          "weight_sync_memory_receive_bytes": received.stats.num_bytes, "weights_from": "memory",
+                          "weights_content_hash": received.tag.content_hash}
 
 
 def _check_engine_version(engine_key: str, asked: int) -> None:
@@ -218,14 +235,14 @@ def rollout_task(cfg: GRPOConfig, ref: StepRef, policy: PolicyRef, prompt_start:
     t_start = time.time()
     _threads(cfg, "rollout")
     store = RolloutStore(ref.root)
-    model, codec, load_s = _rollout_model(cfg, engine_key, policy)
+    model, codec, load = _rollout_model(cfg, engine_key, policy)
     _check_engine_version(engine_key, store.attrs(ref.step)["policy_version"])
     records = _records(cfg, policy.path, ref.step, prompt_start, prompt_stop)
     rows = generate_rows(model, codec, [r.prompt_ids for r in records], cfg.rollout, seed=cfg.seed, step=ref.step,
                          prompt_start=prompt_start, prompts_per_step=cfg.task.prompts_per_step,
                          prompt_width=store.layout(ref.step).prompt_width, policy_version=policy.version)
     store.write_rows(ref.step, rows.arrays, start=rows.row_start)
-    return {**rows.metrics, "weight_load_seconds": load_s, "task_start": t_start, "task_end": time.time()}
+    return {**rows.metrics, **load, "task_start": t_start, "task_end": time.time()}
 
 
 def mark_stage_complete(ref: StepRef, stage: str, *deps, attrs: dict | None = None) -> str:
@@ -329,7 +346,7 @@ def train_task(cfg: GRPOConfig, ref: StepRef, folder: RunFolder, new_version: in
     result = engine.train_step(batch)
     t0 = time.perf_counter()
     layout, coord = engine.layout, engine.coord
-    num_bytes = 0
+    num_bytes, state = 0, None
     if coord.dp == 0 and coord.tp == 0:  # one writer per pipeline rank; hf_state gathers TP shards
         state = engine.hf_state()
         num_bytes = folder.policy_store().save_shard(new_version, coord.pp, layout.pp, state)
@@ -337,9 +354,11 @@ def train_task(cfg: GRPOConfig, ref: StepRef, folder: RunFolder, new_version: in
         engine.hf_state()  # a collective over the TP group: its other ranks take part
     # Each rank's optimiser state goes beside the shards, before publish writes the manifest.
     folder.policy_store().save_optimizer_state(new_version, engine.rank, engine.optimizer_state())
+    shard_s = time.perf_counter() - t0
+    sync = weight_sync.send_version(cfg.run_name, state, new_version)  # {} unless weight_sync=memory
     return {"rank": engine.rank, "metrics": result.metrics, "window_ns": result.window_ns,
             "events": chrome_events(engine.rank, result.actions, result.window_ns, origin_ns=0),
-            "shard_bytes": num_bytes, "shard_seconds": time.perf_counter() - t0,
+            "shard_bytes": num_bytes, "shard_seconds": shard_s, **sync,
             "task_start": t_start, "task_end": time.time()}
 
 

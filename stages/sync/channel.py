@@ -97,6 +97,19 @@ class _Endpoint:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _store_op(self, what: str, op):
+        try:
+            return op()
+        except Exception as exc:
+            raise self._fail(f"{what}: the channel's store is gone (pipeline rank 0 hosts it): "
+                             f"{first_line(exc)}") from exc
+
+    def was_announced(self, version: int) -> bool:
+        """Whether a source announced policy ``version`` on this channel (:meth:`WeightSender.announce`):
+        a version never announced here will not arrive here. No wait."""
+        self._usable()
+        return self._store_op(f"looking up v{version}", lambda: self._store.check([f"version/{version}"]))
+
     def close(self) -> None:
         """Drop the groups (a peer blocked on them fails at its timeout or at once)."""
         self._groups.clear()
@@ -135,6 +148,16 @@ class WeightSender(_Endpoint):
         self.pp_rank, self._specs = pp_rank, specs
         slot_bytes = min(cfg.bucket_bytes, plan.sources[pp_rank].stream_bytes)
         self._staging = [torch.zeros(slot_bytes, dtype=torch.uint8, device=device) for _ in range(_IN_FLIGHT)]
+
+    def announce(self, version: int) -> None:
+        """Post in the channel's store that the next sync carries policy ``version``, before its
+        bytes: an idle receiver posts its receive only once it sees this (:meth:`WeightReceiver.announced`),
+        so it never sits in a broadcast bounded by the timeout while the trainer computes. Every
+        source announces; the keys are idempotent."""
+        self._usable()
+        n = self._syncs
+        self._store_op(f"announcing v{version}", lambda: (self._store.set(f"announce/{n}", str(version)),
+                                                          self._store.set(f"version/{version}", str(n))))
 
     def send(self, tensors: Mapping[str, torch.Tensor], version: int) -> SyncStats:
         """Broadcast this rank's shard of policy ``version``; every engine must be receiving."""
@@ -231,6 +254,14 @@ class WeightReceiver(_Endpoint):
                 nbytes = torch.Size(shape).numel() * getattr(torch, dtype).itemsize
                 self._byte_views[-1].append(buf[off:off + nbytes])
                 self._views[name] = buf[off:off + nbytes].view(getattr(torch, dtype)).view(shape)
+
+    def announced(self) -> Optional[int]:
+        """The policy version a source announced for the next sync, or None while none has (no wait:
+        a timed-out store wait would hold the store's socket, and log a warning, each time)."""
+        self._usable()
+        key = f"announce/{self._syncs}"
+        return self._store_op("looking for the next sync",
+                              lambda: int(self._store.get(key)) if self._store.check([key]) else None)
 
     def receive(self) -> tuple[PolicyTag, dict[str, torch.Tensor], SyncStats]:
         """The next policy version: its tag, the whole HF-named state dict and the stats.

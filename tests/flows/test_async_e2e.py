@@ -1,4 +1,6 @@
-"""Asynchronous runs through a real embedded Dask cluster: deterministic, and within the bound."""
+"""Asynchronous runs through a real embedded Dask cluster: deterministic, and within the bound. The
+second run sends each version to the engine in memory (cluster.weight_sync=memory), the first only
+through disk: the same rows and weights either way."""
 
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ def _weights_sha(run_dir: Path) -> dict[str, str]:
 def two_runs(tmp_path_factory):
     runs_dir = tmp_path_factory.mktemp("runs")
     a = _run(runs_dir, "async-a")
-    b = _run(runs_dir, "async-b")
+    b = _run(runs_dir, "async-b", "cluster.weight_sync=memory")
     return runs_dir, a, b
 
 
@@ -69,3 +71,15 @@ def test_versions_and_staleness_follow_the_rule(two_runs):
         for key in ("is_weight_mean", "is_truncated_fraction", "clip_fraction_low", "kl_behav",
                     "rollout_idle_seconds", "train_idle_seconds"):
             assert key in m, key
+
+
+def test_the_memory_run_generated_from_the_weights_it_received(two_runs):
+    _, (_, disk), (_, memory) = two_runs
+    # s = 1: steps 0 and 1 generate from v0 (the version the ranks were built from, on disk; step 1
+    # finds it held), step 2 from v1, which step 0 sent while step 1's rollout ran.
+    loads = [(m["weight_loads_from_memory"], m["weight_loads_from_disk"]) for m in memory.metrics]
+    assert loads == [(0, 1), (0, 0), (1, 0)]
+    assert all(m["weight_sync_memory_send_failures"] == 0 for m in memory.metrics)
+    assert memory.metrics[2]["weight_sync_memory_receive_bytes"] == memory.metrics[0]["weight_sync_memory_send_bytes"]
+    assert all("weight_sync_memory_send_seconds" not in m and m["weight_loads_from_memory"] == 0
+               for m in disk.metrics)

@@ -28,6 +28,9 @@ def test_tiny_config_loads_with_overrides():
     ("rollout.group_size=1", "rollout.group_size"),
     ("advantage.estimator=ppo", "advantage.estimator"),
     ("run_name=a/b", "run_name"),
+    ("cluster.weight_sync=nfs", "cluster.weight_sync"),
+    ("cluster.weight_sync_timeout_s=0", "cluster.weight_sync_timeout_s"),
+    ("cluster.weight_sync_content_hash=md5", "cluster.weight_sync_content_hash"),
 ])
 def test_bad_values_name_the_key_in_one_line(override, key):
     with pytest.raises(ConfigError) as info:

@@ -1,13 +1,16 @@
 """A worker killed (SIGKILL) mid-run: the run finishes without a hang, no group is lost or
-duplicated, and a lost rollout engine changes nothing in the final weights."""
+duplicated, and a lost rollout engine changes nothing in the final weights. The runs send versions
+in memory (cluster.weight_sync=memory): a lost worker's channel is replaced by a new one."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import dask
 import pytest
@@ -15,7 +18,7 @@ import pytest
 from benchmarks.faults import Trial, _Restarts, base_config, check_groups, final_sha, run_trial
 from flows.cluster import start_cluster, worker_addresses
 from flows.config import load_config
-from flows.loop import run
+from flows.loop import run, run_folder
 from flows.schema import ConfigError
 
 ITERATIONS = 3
@@ -52,6 +55,8 @@ def test_a_worker_restarting_longer_than_the_lost_worker_timeout_comes_back(tmp_
 def cluster_run(tmp_path_factory):
     """A shared embedded cluster and the fault-free run's final weights."""
     cfg = base_config(str(tmp_path_factory.mktemp("runs")), ITERATIONS)
+    # Versions travel in memory too: a lost engine or rank must reopen the channel or load from disk.
+    cfg = replace(cfg, cluster=replace(cfg.cluster, weight_sync="memory", weight_sync_timeout_s=20.0))
     client, cluster = start_cluster(cfg)
     cfg = replace(cfg, cluster=replace(cfg.cluster, scheduler_address=cluster.scheduler_address))
     restarts = _Restarts()
@@ -77,6 +82,11 @@ def test_killing_the_rollout_worker_mid_rollout_changes_nothing(cluster_run):
     assert (trial.lost_groups, trial.duplicated_groups, trial.incomplete_steps) == (0, 0, 0)
     assert trial.restarts == 0  # the engine is replaced by Dask; the training ranks are untouched
     assert trial.same_weights
+    # v2 was sent to the dead engine: that send failed and v2 came from disk; the channel was
+    # reopened with the replaced engine before step 2, whose send of v3 went through.
+    metrics = _metrics(replace(cfg, run_name="kill-rollout"))
+    assert metrics[1]["weight_sync_memory_send_failures"] >= 1 and metrics[2]["weight_loads_from_disk"] == 1
+    assert metrics[2]["weight_sync_memory_send_failures"] == 0 and metrics[2]["weight_sync_memory_send_bytes"] > 0
 
 
 @pytest.mark.slow
@@ -90,6 +100,13 @@ def test_killing_a_training_rank_mid_train_reruns_the_step(cluster_run):
     assert (trial.lost_groups, trial.duplicated_groups, trial.incomplete_steps) == (0, 0, 0)
     # No bound on the time beyond the run finishing: every wait is bounded by its own timeout.
     assert trial.wall_s < cfg.cluster.iteration_timeout_s
+    # The rebuilt ranks opened a new channel: step 1's rerun sent v2 on it, and step 2 took it from memory.
+    metrics = _metrics(replace(cfg, run_name="kill-train"))
+    assert metrics[2]["weight_loads_from_memory"] == 1 and metrics[2]["weight_sync_memory_send_failures"] == 0
+
+
+def _metrics(cfg) -> list[dict]:
+    return json.loads(Path(run_folder(cfg).summary).read_text())["metrics"]
 
 
 def _sleep(seconds: float) -> float:

@@ -1,0 +1,134 @@
+"""rollout.max_staleness = 0 through the loop (flows/loop.py ``run``) is the plain synchronous path:
+flows.iteration.run_iteration called step after step over the same config gives the same Zarr arrays
+and the same policy weights, bit for bit. Both use cluster.weight_sync = memory, so the engine
+generates from the weights it received, and the test checks that it did: each received version's
+content hash is that of the published folder's tensors. A run stopped after 2 iterations and
+resumed to 3 gives the same arrays and weights too."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+
+from flows import tasks
+from flows.cluster import check_pools, start_cluster
+from flows.config import load_config
+from flows.iteration import run_iteration
+from flows.loop import _init_ranks, run, run_folder
+from stages.sync import state_digest
+from storage.policies import load_model_folder
+
+pytestmark = pytest.mark.slow
+
+ITERATIONS = 3
+
+
+def _config(runs_dir: Path):
+    return load_config("configs/tiny.yaml", [
+        f"iterations={ITERATIONS}", "run_name=sync", f"runs_dir={runs_dir}", "warmup.steps=30",
+        "task.prompts_per_step=8", "train.micro_batch_size=16", "rollout.max_staleness=0",
+        "cluster.weight_sync=memory"])
+
+
+def _step_by_step(client, cfg, pools) -> None:
+    """The synchronous reference: build the ranks, then run_iteration(step k) from the version step
+    k - 1 published."""
+    folder = run_folder(cfg).create()
+    policy = client.submit(tasks.make_base_policy, cfg, folder, workers=[pools.train_addresses[0]],
+                           pure=False).result()
+    _init_ranks(client, cfg, pools, policy)
+    try:
+        for step in range(cfg.iterations):
+            policy = run_iteration(client, cfg, pools, folder, step, policy,
+                                   timeout_s=cfg.cluster.iteration_timeout_s).policy
+            assert policy.version == step + 1
+    finally:
+        client.run(tasks.shutdown_train_rank, cfg.run_name)
+
+
+@pytest.fixture(scope="module")
+def two_paths(tmp_path_factory):
+    """(loop run's folder, its summary, step-by-step folder) on one shared embedded cluster."""
+    cfg = _config(tmp_path_factory.mktemp("loop"))
+    client, cluster = start_cluster(cfg)
+    try:
+        shared = replace(cfg.cluster, scheduler_address=cluster.scheduler_address)
+        loop_cfg = replace(cfg, cluster=shared)
+        summary = run(loop_cfg, progress=False)
+        ref_cfg = replace(loop_cfg, runs_dir=str(tmp_path_factory.mktemp("reference")))
+        _step_by_step(client, ref_cfg, check_pools(client, ref_cfg))
+        # Resumed: 2 iterations, then the same run to 3 (a new driver-side channel from v2).
+        resumed_cfg = replace(loop_cfg, runs_dir=str(tmp_path_factory.mktemp("resumed")), iterations=2)
+        run(resumed_cfg, progress=False)
+        resumed = run(replace(resumed_cfg, iterations=ITERATIONS), progress=False)
+        yield (Path(run_folder(loop_cfg).root), summary, Path(run_folder(ref_cfg).root),
+               Path(run_folder(resumed_cfg).root), resumed)
+    finally:
+        client.close()
+        cluster.close()
+
+
+def _weights_sha(run_dir: Path) -> dict[str, str]:
+    return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted((run_dir / "policy").rglob("*.safetensors"))}
+
+
+def _same_run(loop_dir: Path, ref_dir: Path) -> None:
+    za = zarr.open_group(str(loop_dir / "rollouts.zarr"), mode="r")
+    zb = zarr.open_group(str(ref_dir / "rollouts.zarr"), mode="r")
+    steps = [f"step_{k}" for k in range(ITERATIONS)]
+    assert sorted(za.group_keys()) == sorted(zb.group_keys()) == steps
+    for step in steps:
+        assert sorted(za[step].array_keys()) == sorted(zb[step].array_keys())
+        for name in za[step].array_keys():
+            np.testing.assert_array_equal(za[step][name][:], zb[step][name][:], err_msg=f"{step}/{name}")
+    sha_loop, sha_ref = _weights_sha(loop_dir), _weights_sha(ref_dir)
+    assert len(sha_loop) >= ITERATIONS + 1 and sha_loop == sha_ref  # policy v0 .. v3, both pipeline shards
+
+
+def test_the_synchronous_loop_equals_run_iteration_step_by_step(two_paths):
+    loop_dir, _, ref_dir, _, _ = two_paths
+    _same_run(loop_dir, ref_dir)
+
+
+def test_a_resumed_memory_sync_run_equals_the_uninterrupted_one(two_paths):
+    loop_dir, _, _, resumed_dir, resumed = two_paths
+    _same_run(loop_dir, resumed_dir)
+    # The resumed process built its ranks from v2 and opened a new channel: step 2 read v2 from disk.
+    assert (resumed.metrics[2]["weight_loads_from_memory"], resumed.metrics[2]["weight_loads_from_disk"]) == (0, 1)
+
+
+def test_the_engine_generated_from_the_weights_it_received(two_paths):
+    loop_dir, summary, *_ = two_paths
+    from storage.rollouts import RolloutStore
+
+    store = RolloutStore(loop_dir / "rollouts.zarr")
+    for step, m in enumerate(summary.metrics):
+        # Step k sends v(k+1); step k >= 1 generates from v(k), received in memory (v0 is the
+        # version the ranks were built from: disk).
+        assert m["weight_sync_memory_send_failures"] == 0 and m["weight_sync_memory_send_bytes"] > 0
+        assert m["publish_bytes"] > 0 and "publish_write_seconds" in m
+        assert (m["weight_loads_from_memory"], m["weight_loads_from_disk"]) == ((0, 1) if step == 0 else (1, 0))
+        if step == 0:
+            assert m["weight_load_disk_seconds"] > 0
+            continue
+        assert m["weight_sync_memory_receive_bytes"] == m["weight_sync_memory_send_bytes"]
+        (load,) = store.attrs(step)["results_rollout"]
+        _, _, tensors = load_model_folder(loop_dir / "policy" / f"v{step}")
+        assert load["weights_from"] == "memory" and load["weights_content_hash"] == state_digest(tensors)
+
+
+def test_colocated_engines_receive_beside_their_training_rank(tmp_path):
+    """cluster.placement=colocated: the engine's receiving thread runs in training worker 0's
+    process, beside pipeline rank 0's sender; versions still arrive in memory."""
+    cfg = load_config("configs/tiny.yaml", [
+        "iterations=2", "run_name=colocated", f"runs_dir={tmp_path}", "warmup.steps=30", "task.prompts_per_step=8",
+        "train.micro_batch_size=16", "cluster.placement=colocated", "cluster.weight_sync=memory"])
+    metrics = run(cfg, progress=False).metrics
+    assert [(m["weight_loads_from_memory"], m["weight_loads_from_disk"]) for m in metrics] == [(0, 1), (1, 0)]
+    assert all(m["weight_sync_memory_send_failures"] == 0 for m in metrics)

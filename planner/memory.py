@@ -65,7 +65,8 @@ class ActivationImpl:
     expand_kv: bool = False
     """K/V repeated to all query heads before attention (HF ``repeat_kv``): saved K, V are q_dim wide."""
     rope: Literal["fused", "eager"] = "fused"
-    """eager rotary embedding keeps its cos and sin tables for q and for k: 4 * head_dim * dtype per token."""
+    """eager rotary embedding keeps its cos and sin tables, computed once per stage forward and shared
+    by its layers and by q and k: 2 * head_dim * dtype per token per stage."""
     swiglu: Literal["fused", "eager"] = "fused"
     """fused keeps 3 F-wide tensors per layer (fc1 output 2F, down_proj input F); eager autograd keeps 4
     (gate and up outputs, silu(gate), their product)."""
@@ -116,7 +117,6 @@ def _layer_bytes_per_token(model: ModelShape, seq_len: int, dtype_bytes: int, re
         return dtype_bytes * h / replicated_div
     norm = _norm_bytes_per_token(h, dtype_bytes, impl)
     replicated = 2 * norm + 2 * dtype_bytes * h + (2 * MASK_BYTES * h if impl.dropout else 0)
-    rope_tables = 4 * model.head_dim * dtype_bytes if impl.rope == "eager" else 0  # [b, 1, s, d], not TP-sharded
     kv_width = model.q_dim if impl.expand_kv else model.kv_dim
     attention = dtype_bytes * (model.q_dim + 2 * kv_width + model.q_dim)
     mlp = ((4 if impl.swiglu == "eager" else 3) if model.gated_mlp else 2) * dtype_bytes * f
@@ -128,7 +128,7 @@ def _layer_bytes_per_token(model: ModelShape, seq_len: int, dtype_bytes: int, re
         else:
             core = FP32_BYTES * heads
     mask = dtype_bytes * seq_len if impl.attention == "flash-masked" and recompute == "none" else 0
-    return replicated / replicated_div + rope_tables + mask + (attention + mlp + core) / tp
+    return replicated / replicated_div + mask + (attention + mlp + core) / tp
 
 
 def estimate_activation_breakdown(model: ModelShape, micro_batch_size: int, seq_len: int, layers_in_stage: int,
@@ -146,6 +146,10 @@ def estimate_activation_breakdown(model: ModelShape, micro_batch_size: int, seq_
     impl = impl or ActivationImpl()
     tp, tokens = tensor_parallel_size, micro_batch_size * seq_len
     per_layer = math.ceil(tokens * _layer_bytes_per_token(model, seq_len, dtype_bytes, recompute, tp, impl))
+    # Eager rotary: one cos and one sin table [b, 1, s, d] per stage, not TP-sharded (what the
+    # runtime's decoder computes once per forward, stages/policy/model.py rope_cos_sin).
+    shared_rope = layers_in_stage and impl.rope == "eager" and recompute != "full"
+    rope_tables = tokens * 2 * model.head_dim * dtype_bytes if shared_rope else 0
     embedding = tokens * INT64_BYTES if is_first_stage else 0
     head = 0
     if is_last_stage:
@@ -155,7 +159,7 @@ def estimate_activation_breakdown(model: ModelShape, micro_batch_size: int, seq_
         vocab_div = tp if vocab_parallel else 1
         loss = logits_dtype_bytes * model.vocab_size / vocab_div + (INT64_BYTES if logits_dtype_bytes else 0)
         head = math.ceil(tokens * ((_norm_bytes_per_token(h, dtype_bytes, impl) + dtype_bytes * h) / seq_div + loss))
-    return ActivationBreakdown(per_layer, per_layer * layers_in_stage, embedding, head)
+    return ActivationBreakdown(per_layer, per_layer * layers_in_stage + rope_tables, embedding, head)
 
 
 def estimate_activation_bytes_per_microbatch(model: ModelShape, micro_batch_size: int, seq_len: int,

@@ -81,15 +81,18 @@ def test_eager_hf_implementation_knobs_add_their_tensors():
 
 
 def test_torch_eager_decoder_layer_by_hand():
-    # grpoflow's own decoder, fp32, h=64, d=16, 4 heads, 2 KV heads, F=176; per token (bytes):
-    # 2 eager RMSNorms (x 256 + rstd 4 + normalised 256) 1032, QKV and MLP inputs 512, rope cos/sin 4*16*4 = 256,
-    # q and repeated k, v 768, log-sum-exp 16, attention output = o_proj input 256, SwiGLU 4*176*4 = 2816
+    # grpoflow's own decoder, fp32, h=64, d=16, 4 heads, 2 KV heads, F=176; per token (bytes), per layer:
+    # 2 eager RMSNorms (x 256 + rstd 4 + normalised 256) 1032, QKV and MLP inputs 512, q and repeated k, v 768,
+    # log-sum-exp 16, attention output = o_proj input 256, SwiGLU 4*176*4 = 2816; per stage: the rope cos and
+    # sin tables its layers share, 2*16*4 = 128
     model = make_model(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                        intermediate_size=176)
-    per_token = 1032 + 512 + 256 + 768 + 16 + 256 + 2816
-    assert per_token == 5656  # what saved_tensors_hooks reports on stages/policy/model.py
+    per_layer = 1032 + 512 + 768 + 16 + 256 + 2816
+    assert per_layer + 128 == 5528  # what saved_tensors_hooks reports on stages/policy/model.py
     got = estimate_activation_bytes_per_microbatch(model, 3, 24, 1, 4, "none", impl=TORCH_EAGER_IMPL)
-    assert got == 72 * 5656
+    assert got == 72 * 5528
+    two_layers = estimate_activation_bytes_per_microbatch(model, 3, 24, 2, 4, "none", impl=TORCH_EAGER_IMPL)
+    assert two_layers == 72 * (2 * per_layer + 128)
     masked = estimate_activation_bytes_per_microbatch(
         model, 3, 24, 1, 4, "none", impl=dataclasses.replace(TORCH_EAGER_IMPL, attention="flash-masked"))
     assert masked - got == 3 * 24 * 24 * 4  # the (b, 1, s, s) additive mask SDPA keeps per layer

@@ -217,7 +217,8 @@ class TrainConfig:
     max_microbatches_per_pass: Optional[int] = None
     """With length_buckets: the most microbatches (per data-parallel rank) one pass runs. Unset: one
     pass per bucket (one pipeline fill and drain each); the schedule's smallest count (p for 1F1B)
-    gives fixed-count passes. Each (bucket, count) pair has its own cached schedule."""
+    gives fixed-count passes. Each (bucket, count) pair has its own cached schedule, and each keeps
+    torch's receive buffers for its microbatches: at large activations a cap bounds that memory."""
     logprob_chunk_tokens: Optional[int] = None
     """Set: the last stage returns hidden states and the loss applies lm_head and log-softmax to this
     many completion tokens at a time, so [tokens x vocab] logits never exist; unset: full logits."""

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+import zarr
 
 from stages.policy import DecoderConfig, build_stage
 
@@ -78,3 +82,23 @@ def _one_torch_thread():
     # and a single-process reference computed on 2 threads rounds differently from 1-thread ranks.
     torch.set_num_threads(1)
     yield
+
+
+def assert_same_runs(a: Path, b: Path, steps: int, min_weight_files: int) -> None:
+    """Two run folders hold steps 0 .. steps-1 with equal Zarr arrays, array by array, and byte-equal
+    policy safetensors files (at least ``min_weight_files`` of them)."""
+    za = zarr.open_group(str(a / "rollouts.zarr"), mode="r")
+    zb = zarr.open_group(str(b / "rollouts.zarr"), mode="r")
+    names = [f"step_{k}" for k in range(steps)]
+    assert sorted(za.group_keys()) == sorted(zb.group_keys()) == names
+    for step in names:
+        assert sorted(za[step].array_keys()) == sorted(zb[step].array_keys())
+        for name in za[step].array_keys():
+            np.testing.assert_array_equal(za[step][name][:], zb[step][name][:], err_msg=f"{step}/{name}")
+
+    def weights(run_dir: Path) -> dict[str, str]:
+        return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted((run_dir / "policy").rglob("*.safetensors"))}
+
+    sha_a, sha_b = weights(a), weights(b)
+    assert len(sha_a) >= min_weight_files and sha_a == sha_b

@@ -4,13 +4,12 @@ through disk: the same rows and weights either way."""
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import numpy as np
 import pytest
-import zarr
 
+from conftest import assert_same_runs
 from flows.config import load_config
 from flows.loop import run
 from storage.rollouts import RolloutStore
@@ -25,11 +24,6 @@ def _run(runs_dir: Path, name: str, *overrides: str):
     return cfg, run(cfg, progress=False)
 
 
-def _weights_sha(run_dir: Path) -> dict[str, str]:
-    return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted((run_dir / "policy").rglob("*.safetensors"))}
-
-
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory):
     runs_dir = tmp_path_factory.mktemp("runs")
@@ -40,15 +34,7 @@ def two_runs(tmp_path_factory):
 
 def test_two_async_runs_are_identical(two_runs):
     runs_dir, _, _ = two_runs
-    za = zarr.open_group(str(runs_dir / "async-a" / "rollouts.zarr"), mode="r")
-    zb = zarr.open_group(str(runs_dir / "async-b" / "rollouts.zarr"), mode="r")
-    assert sorted(za.group_keys()) == sorted(zb.group_keys()) == ["step_0", "step_1", "step_2"]
-    for step in za.group_keys():
-        assert sorted(za[step].array_keys()) == sorted(zb[step].array_keys())
-        for name in za[step].array_keys():
-            np.testing.assert_array_equal(za[step][name][:], zb[step][name][:], err_msg=f"{step}/{name}")
-    sha_a, sha_b = _weights_sha(runs_dir / "async-a"), _weights_sha(runs_dir / "async-b")
-    assert len(sha_a) >= 4 and sha_a == sha_b  # policy v0 .. v3
+    assert_same_runs(runs_dir / "async-a", runs_dir / "async-b", 3, 4)  # policy v0 .. v3
 
 
 def test_versions_and_staleness_follow_the_rule(two_runs):

@@ -7,14 +7,12 @@ resumed to 3 gives the same arrays and weights too."""
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import pytest
-import zarr
 
+from conftest import assert_same_runs
 from flows import tasks
 from flows.cluster import check_pools, start_cluster
 from flows.config import load_config
@@ -73,22 +71,8 @@ def two_paths(tmp_path_factory):
         cluster.close()
 
 
-def _weights_sha(run_dir: Path) -> dict[str, str]:
-    return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted((run_dir / "policy").rglob("*.safetensors"))}
-
-
 def _same_run(loop_dir: Path, ref_dir: Path) -> None:
-    za = zarr.open_group(str(loop_dir / "rollouts.zarr"), mode="r")
-    zb = zarr.open_group(str(ref_dir / "rollouts.zarr"), mode="r")
-    steps = [f"step_{k}" for k in range(ITERATIONS)]
-    assert sorted(za.group_keys()) == sorted(zb.group_keys()) == steps
-    for step in steps:
-        assert sorted(za[step].array_keys()) == sorted(zb[step].array_keys())
-        for name in za[step].array_keys():
-            np.testing.assert_array_equal(za[step][name][:], zb[step][name][:], err_msg=f"{step}/{name}")
-    sha_loop, sha_ref = _weights_sha(loop_dir), _weights_sha(ref_dir)
-    assert len(sha_loop) >= ITERATIONS + 1 and sha_loop == sha_ref  # policy v0 .. v3, both pipeline shards
+    assert_same_runs(loop_dir, ref_dir, ITERATIONS, ITERATIONS + 1)  # policy v0 .. v3, both pipeline shards
 
 
 def test_the_synchronous_loop_equals_run_iteration_step_by_step(two_paths):

@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,7 +41,7 @@ from flows.preflight import preflight
 from flows.schema import GRPOConfig, config_hash, config_to_dict
 from stages.policy.tokenizer import TextCodec
 from stages.train.rendezvous import free_port
-from storage.lineage import Lineage, StepRun
+from storage.lineage import Lineage, LineageQueue, StepRun
 from storage.plots import save_run_plots
 from storage.policies import PolicyRef
 from storage.run_folder import RunFolder
@@ -238,7 +239,8 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
     s = cfg.rollout.max_staleness
     published = {policy.version: policy}  # versions the rule may still ask for
     in_flight: deque[PendingIteration] = deque()
-    handles: dict[int, StepRun] = {}
+    handles: dict[int, Future] = {}  # step -> its StepRun, from the lineage queue
+    queue = LineageQueue()
     outer = tqdm(range(first_step, cfg.iterations), desc="iterations", disable=not progress, unit="it")
 
     def _finish_step(pending: PendingIteration, advance) -> IterationResult:
@@ -275,6 +277,41 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
                     prev = in_flight[-1].train_gate
         raise AssertionError("unreachable")
 
+    def log_step(handle: Future, result: IterationResult, plot_rows: list[dict] | None) -> None:
+        """The step's lineage (on the lineage queue's thread), then its "lineage" mark: written
+        last, with the step's metrics for summary.json, it says the step needs no rerun."""
+        t0 = time.perf_counter()
+        step = result.step
+        trace_path = folder.save_trace(step, result.trace_events)
+        child: StepRun = handle.result()
+        with child:  # metrics, policy, dataset with schema, decoded samples, timeline; ends the child run
+            child.log_metrics(result.metrics)
+            child.log_policy(result.policy.version, result.policy.path, result.policy.sha256)
+            child.log_rollouts(store.ref(step).path, store.digest(step), step_array_specs(folder.rollouts, step))
+            table = load_sample_table(folder.rollouts, step, codec(result.policy.path).decode,
+                                      max(cfg.mlflow.sample_groups, 1))
+            if cfg.mlflow.sample_groups:
+                child.log_samples(table)
+            child.log_artifact(trace_path, "timelines")
+        if plot_rows is not None:  # refresh the plots
+            lineage.log_plots(save_run_plots(plot_rows, folder.plots, STAGES))
+        if step % cfg.mlflow.plot_every_steps == 0 and table["id"]:  # one decoded example now and then
+            tqdm.write(f"{table['id'][0]} (policy v{table['policy_version'][0]}): {table['prompt'][0]!r} -> "
+                       f"{table['completion'][0]!r}, reward {table['reward'][0]:.2f}, "
+                       f"advantage {table['advantage'][0]:+.2f}")
+        metrics = {k: float(v) for k, v in result.metrics.items()}
+        metrics["lineage_seconds"] = time.perf_counter() - t0
+        store.mark_complete(step, "lineage", metrics=metrics, mlflow_run_id=child.run_id)
+
+    codecs: dict[str, TextCodec] = {}
+
+    def codec(policy_path: str) -> TextCodec:
+        """The tokenizer of a policy folder, read once (every version of a run has the same one)."""
+        if policy_path not in codecs:
+            codecs.clear()
+            codecs[policy_path] = TextCodec.from_policy_folder(policy_path, cfg.dataset.chat_template)
+        return codecs[policy_path]
+
     def finish_oldest() -> None:
         pending = in_flight.popleft()
         step = pending.step
@@ -288,64 +325,51 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
         try:
             result = _finish_step(pending, advance)
         except BaseException:
-            handle.end("FAILED")
+            queue.submit(lambda: handle.result().end("FAILED"))
             raise
         bar.close()
         if "train" in result.skipped:
             # The shards came from an earlier process; the ranks still hold the step's input
             # policy, so they restart from the version just published.
             _init_ranks(client, cfg, pools, result.policy)
-        t0 = time.perf_counter()
         result.metrics["publish_seconds_total"] = result.stage_seconds["publish"]
         # Staleness of the consumed rows: trainer version minus each row's behaviour version.
         lag = trainer_version(step) - store.read(step, "policy_version")["policy_version"].astype(np.int64)
         result.metrics["staleness_mean"], result.metrics["staleness_max"] = float(lag.mean()), float(lag.max())
-        trace_path = folder.save_trace(step, result.trace_events)
-        with handle:  # metrics, policy, dataset with schema, decoded samples, timeline; ends the child run
-            handle.log_metrics(result.metrics)
-            handle.log_policy(result.policy.version, result.policy.path, result.policy.sha256)
-            handle.log_rollouts(store.ref(step).path, store.digest(step), step_array_specs(folder.rollouts, step))
-            codec = TextCodec.from_policy_folder(result.policy.path, cfg.dataset.chat_template)
-            table = load_sample_table(folder.rollouts, step, codec.decode, max(cfg.mlflow.sample_groups, 1))
-            if cfg.mlflow.sample_groups:
-                handle.log_samples(table)
-            handle.log_artifact(trace_path, "timelines")
-        result.metrics["lineage_seconds"] = time.perf_counter() - t0
-        # Written last: the step's metrics for summary.json, and the mark that it needs no rerun.
-        store.mark_complete(step, "lineage", metrics={k: float(v) for k, v in result.metrics.items()},
-                            mlflow_run_id=handle.run_id)
         published[result.policy.version] = result.policy
         results.append(result)
+        plot = len(results) % cfg.mlflow.plot_every_steps == 0 or step == cfg.iterations - 1
+        queue.submit(log_step, handle, result, [{"step": r.step, **r.metrics} for r in results] if plot else None)
         outer.update(1)
-        if len(results) % cfg.mlflow.plot_every_steps == 0 or step == cfg.iterations - 1:  # refresh the plots
-            lineage.log_plots(save_run_plots([{"step": r.step, **r.metrics} for r in results],
-                                             folder.plots, STAGES))
         outer.set_postfix(reward=f"{result.metrics.get('reward_mean', float('nan')):.3f}")
-        if step % cfg.mlflow.plot_every_steps == 0 and table["id"]:  # one decoded example now and then
-            tqdm.write(f"{table['id'][0]} (policy v{table['policy_version'][0]}): {table['prompt'][0]!r} -> "
-                       f"{table['completion'][0]!r}, reward {table['reward'][0]:.2f}, "
-                       f"advantage {table['advantage'][0]:+.2f}")
 
-    for step in range(first_step, cfg.iterations):
-        # Step k waits for step k - s - 1, which publishes the version k asks for.
-        release = released_by(step, s)
-        while in_flight and release is not None and in_flight[0].step <= release:
-            finish_oldest()
-        version = behaviour_version(step, s)
-        # A resumed run's first steps may ask for versions published by the earlier process.
-        behaviour = published.get(version) or folder.policy_store().ref(version)
-        if not in_flight:  # the training workers are idle: a replaced engine may rejoin the channel
-            weight_sync.reopen_if_engines_moved(client, cfg, pools, behaviour)
-        prev_train = in_flight[-1].train_gate if in_flight else ()
-        handles[step] = lineage.start_step(step, version)  # the child run spans the step from its submission
-        in_flight.append(submit_iteration(client, cfg, pools, folder, step, behaviour, prev_train))
-        if in_flight[-1].stages["train"].gate is None:
-            # Train found complete (a resumed run): the ranks restart from its version when the step
-            # finishes, so no later step's training-rank task may be queued before that.
-            while in_flight:
+    try:
+        for step in range(first_step, cfg.iterations):
+            # Step k waits for step k - s - 1, which publishes the version k asks for.
+            release = released_by(step, s)
+            while in_flight and release is not None and in_flight[0].step <= release:
                 finish_oldest()
-    while in_flight:
-        finish_oldest()
+            version = behaviour_version(step, s)
+            # A resumed run's first steps may ask for versions published by the earlier process.
+            behaviour = published.get(version) or folder.policy_store().ref(version)
+            if not in_flight:  # the training workers are idle: a replaced engine may rejoin the channel
+                weight_sync.reopen_if_engines_moved(client, cfg, pools, behaviour)
+            prev_train = in_flight[-1].train_gate if in_flight else ()
+            # The child run spans the step from its submission (opened on the lineage queue's thread);
+            # an interrupted process may have opened child runs for the steps it had in flight.
+            handles[step] = queue.submit(lineage.start_step, step, version, start_time_ms=int(time.time() * 1000),
+                                         reopen=step <= first_step + s)
+            in_flight.append(submit_iteration(client, cfg, pools, folder, step, behaviour, prev_train))
+            if in_flight[-1].stages["train"].gate is None:
+                # Train found complete (a resumed run): the ranks restart from its version when the step
+                # finishes, so no later step's training-rank task may be queued before that.
+                while in_flight:
+                    finish_oldest()
+        while in_flight:
+            finish_oldest()
+        queue.drain()
+    finally:
+        queue.close()  # a failing run: what is queued still runs (the failed step's child run ends)
     outer.close()
     _add_idle(results)
     return results

@@ -13,11 +13,16 @@ A resumed run continues its parent run (``run_id``).
 from __future__ import annotations
 
 import json
+import logging
+import posixpath
 import subprocess
 import sys
+import tempfile
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import mlflow
 import numpy as np
@@ -26,11 +31,11 @@ from mlflow.data.dataset_source_registry import register_dataset_source
 from mlflow.data.meta_dataset import MetaDataset
 from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
-from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT, MLFLOW_LOGGED_ARTIFACTS
 from mlflow.types import Schema, TensorSpec
 
 __all__ = [
-    "EXPERIMENT_KIND_TAG", "TRAINING_EXPERIMENT_KIND", "ZarrDatasetSource", "Lineage", "StepRun",
+    "EXPERIMENT_KIND_TAG", "TRAINING_EXPERIMENT_KIND", "ZarrDatasetSource", "Lineage", "LineageQueue", "StepRun",
     "experiment_page", "flatten", "git_commit", "iteration_runs", "rollout_schema",
     "ui_command", "ui_environment",
 ]
@@ -144,7 +149,16 @@ class StepRun:
         if not any(table.values()):  # zero groups asked for: no empty table in the UI
             return
         name = artifact_file or f"samples/step_{self.step}.json"
-        self.lineage.client.log_table(self.run_id, data=table, artifact_file=name)
+        # What MlflowClient.log_table writes (a JSON table in pandas' "split" layout and the tag that
+        # makes the UI show it as a table) without its reads: it lists the run's artifacts and
+        # fetches the run to append to an earlier table of that name. A step's table is written
+        # once, and a resumed step's replaces the earlier one instead of repeating its rows.
+        rows = [[None if isinstance(v, float) and v != v else v for v in row] for row in zip(*table.values())]
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / Path(name).name
+            path.write_text(json.dumps({"columns": list(table), "data": rows}))
+            self.lineage.client.log_artifact(self.run_id, str(path), posixpath.dirname(name) or None)
+        self.lineage._log(self.run_id, tags={MLFLOW_LOGGED_ARTIFACTS: json.dumps([{"path": name, "type": "table"}])})
 
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
         self.lineage.client.log_artifact(self.run_id, path, artifact_path)
@@ -202,18 +216,20 @@ class Lineage:
         """Tags on the parent run (e.g. the Dask dashboard link once the cluster is up)."""
         self._log(self.run_id, tags=tags)
 
-    def start_step(self, step: int, policy_version_in: int) -> StepRun:
-        """Open the child run of ``step`` now (its start time is the step's); end it with
-        :meth:`StepRun.end` or use it as a context manager. A child run of the step left by an
-        interrupted process is reopened, so a resumed run keeps one child run per step."""
-        earlier = self.client.search_runs(
+    def start_step(self, step: int, policy_version_in: int, start_time_ms: int | None = None,
+                   reopen: bool = True) -> StepRun:
+        """Open the child run of ``step``, started at ``start_time_ms`` (default now: the step's
+        start); end it with :meth:`StepRun.end` or use it as a context manager. With ``reopen`` a
+        child run of the step left by an interrupted process is reopened, so a resumed run keeps one
+        child run per step; ``reopen=False`` skips that search (a step no earlier process started)."""
+        earlier = reopen and self.client.search_runs(
             [self.experiment_id], max_results=1,
             filter_string=f"tags.mlflow.parentRunId = '{self.run_id}' and tags.`grpoflow.step` = '{step}'")
         if earlier:
             self.client.update_run(earlier[0].info.run_id, status="RUNNING")
             return StepRun(self, step, earlier[0].info.run_id)
         child = self.client.create_run(
-            self.experiment_id, run_name=f"step={step}", start_time=_now_ms(),
+            self.experiment_id, run_name=f"step={step}", start_time=start_time_ms or _now_ms(),
             tags={"mlflow.parentRunId": self.run_id, "grpoflow.step": str(step),
                   "policy.version_in": str(policy_version_in)})
         handle = StepRun(self, step, child.info.run_id)
@@ -246,6 +262,49 @@ class Lineage:
 
     def finish(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status, end_time=_now_ms())
+
+
+class LineageQueue:
+    """Calls run in submission order on one background thread, so the lineage of step k (a few
+    MLflow calls, tens of milliseconds each with the sqlite store) is written while step k + 1
+    runs instead of delaying its submission. While a loop uses the queue only its thread calls
+    MLflow. A failed call fails the run: the next :meth:`submit` or :meth:`drain` raises its error.
+    At most ``max_pending`` calls wait; a further submit first waits for the oldest, so logging
+    slower than the steps holds the loop back instead of piling up."""
+
+    def __init__(self, max_pending: int = 16):
+        if max_pending < 1:
+            raise ValueError(f"max_pending={max_pending} must be >= 1")
+        self.max_pending = max_pending
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lineage")
+        self._pending: deque[Future] = deque()
+
+    def submit(self, fn: Callable, *args, **kwargs) -> Future:
+        """Run ``fn(*args, **kwargs)`` after every call submitted before it; its future."""
+        self._reap(wait_for=self.max_pending - 1)
+        future = self._pool.submit(fn, *args, **kwargs)
+        self._pending.append(future)
+        return future
+
+    def _reap(self, wait_for: int) -> None:
+        """Drop finished calls (raising the first error) until at most ``wait_for`` are pending."""
+        while self._pending and (self._pending[0].done() or len(self._pending) > wait_for):
+            self._pending.popleft().result()
+
+    def drain(self) -> None:
+        """Wait for every call submitted so far; raises the first one's error."""
+        self._reap(wait_for=0)
+
+    def close(self) -> None:
+        """Wait for the calls still queued and stop the thread; their errors are logged, not raised
+        (for a run that is already failing: call :meth:`drain` first to see them)."""
+        for future in self._pending:
+            try:
+                future.result()
+            except Exception as exc:
+                logging.getLogger(__name__).warning("lineage call failed: %s", exc)
+        self._pending.clear()
+        self._pool.shutdown(wait=True)
 
 
 def iteration_runs(tracking_uri: str, parent_run_id: str):

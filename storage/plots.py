@@ -19,6 +19,13 @@ PLOT_FILES = ("reward.png", "stage_seconds.png", "bubble.png")
 _DPI = 100  # 6.4 x 3.6 in -> 640 x 360 px: legible in MLflow's artifact preview, small on disk
 
 
+def _figure() -> Figure:
+    # Fixed margins: tight_layout would draw every figure twice (it measures a first rendering).
+    fig = Figure(figsize=(6.4, 3.6))
+    fig.subplots_adjust(left=0.1, right=0.97, bottom=0.14, top=0.9)
+    return fig
+
+
 def _axes(fig: Figure):
     ax = fig.add_subplot()
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
@@ -30,7 +37,7 @@ def _steps(metrics: Sequence[dict[str, float]]) -> list[int]:
 
 
 def _reward(metrics: Sequence[dict[str, float]], path: Path) -> None:
-    fig = Figure(figsize=(6.4, 3.6))
+    fig = _figure()
     ax = _axes(fig)
     steps = _steps(metrics)
     mean = [m.get("reward_mean", float("nan")) for m in metrics]
@@ -40,28 +47,25 @@ def _reward(metrics: Sequence[dict[str, float]], path: Path) -> None:
         ax.fill_between(steps, [a - s for a, s in zip(mean, std)], [a + s for a, s in zip(mean, std)],
                         alpha=0.2, label="± reward_std (over samples)")
     ax.set(xlabel="step", ylabel="reward", title="Reward per step")
-    ax.legend(loc="best", fontsize="small")
-    fig.tight_layout()
+    ax.legend(loc="upper left", fontsize="small")
     fig.savefig(path, dpi=_DPI)
 
 
 def _stage_seconds(metrics: Sequence[dict[str, float]], stages: Sequence[str], path: Path) -> None:
-    fig = Figure(figsize=(6.4, 3.6))
+    fig = _figure()
     ax = _axes(fig)
     steps = _steps(metrics)
-    bottom = [0.0] * len(metrics)
-    for stage in stages:
-        values = [m.get(f"{stage}_seconds", 0.0) for m in metrics]
-        ax.bar(steps, values, bottom=bottom, label=stage)
-        bottom = [b + v for b, v in zip(bottom, values)]
+    # One stacked band per stage (a bar per step and stage would be an artist each: slow to draw
+    # for long runs, and the plot is redrawn every mlflow.plot_every_steps).
+    ax.stackplot(steps, [[m.get(f"{stage}_seconds", 0.0) for m in metrics] for stage in stages], labels=stages,
+                 step="mid")
     ax.set(xlabel="step", ylabel="seconds", title="Seconds per stage (critical path of each step)")
     ax.legend(loc="upper left", fontsize="small", ncol=3)
-    fig.tight_layout()
     fig.savefig(path, dpi=_DPI)
 
 
 def _bubble(metrics: Sequence[dict[str, float]], path: Path) -> None:
-    fig = Figure(figsize=(6.4, 3.6))
+    fig = _figure()
     ax = _axes(fig)
     steps = _steps(metrics)
     ranks = sorted({k for m in metrics for k in m if k.startswith("bubble_fraction_rank")},
@@ -72,8 +76,7 @@ def _bubble(metrics: Sequence[dict[str, float]], path: Path) -> None:
     ax.plot(steps, [m.get("bubble_fraction", float("nan")) for m in metrics], color="black", linewidth=2,
             label="mean over ranks")
     ax.set(xlabel="step", ylabel="idle fraction", title="Pipeline bubble per step", ylim=(0, 1))
-    ax.legend(loc="best", fontsize="small")
-    fig.tight_layout()
+    ax.legend(loc="upper left", fontsize="small")
     fig.savefig(path, dpi=_DPI)
 
 

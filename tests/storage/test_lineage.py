@@ -12,8 +12,8 @@ import yaml
 
 import mlflow
 
-from storage.lineage import (EXPERIMENT_KIND_TAG, Lineage, experiment_page, git_commit, iteration_runs,  # noqa: E402
-                             ui_command)
+from storage.lineage import (EXPERIMENT_KIND_TAG, Lineage, LineageQueue, experiment_page, git_commit,  # noqa: E402
+                             iteration_runs, ui_command)
 
 CONFIG = {"run_name": "t", "train": {"schedule": "1f1b", "lr": 7e-4}, "reward": {"functions": ("exact_match",)}}
 
@@ -103,6 +103,14 @@ def test_samples_table_and_plots(lineage, tmp_path):
                                                                str(tmp_path))).read_text())
     assert stored["columns"] == list(table)
     assert [row[2] for row in stored["data"]] == ["46", "47"] and [row[3] for row in stored["data"]] == [1.0, 0.0]
+    # A resumed step logs its table again into the reopened child run: it replaces the rows.
+    with lineage.start_step(2, policy_version_in=2) as again:
+        again.log_samples({**table, "reward": [float("nan"), 0.0]})
+    assert again.run_id == handle.run_id
+    stored = json.loads(Path(lineage.client.download_artifacts(handle.run_id, "samples/step_2.json",
+                                                               str(tmp_path / "again"))).read_text())
+    assert len(stored["data"]) == 2 and [row[3] for row in stored["data"]] == [None, 0.0]  # NaN as JSON null
+    assert lineage.client.load_table(lineage.experiment_id, "samples/step_2.json", [handle.run_id]).shape == (2, len(table))
     png = tmp_path / "reward.png"
     png.write_bytes(b"\x89PNG first")
     lineage.log_plots([png])
@@ -127,3 +135,32 @@ def test_ui_command_runs_one_worker_on_loopback():
     assert cmd[1:4] == ["-m", "mlflow", "ui"]
     assert cmd[cmd.index("--workers") + 1] == "1" and cmd[cmd.index("--host") + 1] == "127.0.0.1"
     assert cmd[cmd.index("--port") + 1] == "5123"
+
+
+def test_lineage_queue_runs_calls_in_order_and_raises_the_first_error():
+    queue = LineageQueue(max_pending=2)
+    done = []
+
+    def slow(i):
+        time.sleep(0.02)
+        done.append(i)
+        return i
+
+    futures = [queue.submit(slow, i) for i in range(5)]
+    assert len(queue._pending) <= 2  # a further submit waited for the oldest
+    queue.drain()
+    assert done == [0, 1, 2, 3, 4] and [f.result() for f in futures] == [0, 1, 2, 3, 4]
+
+    def fail():
+        raise RuntimeError("sqlite store is read-only")
+
+    queue.submit(fail)
+    queue.submit(slow, 5)  # still runs: the error is raised to the loop, not swallowed by the thread
+    with pytest.raises(RuntimeError, match="read-only"):
+        queue.drain()
+    queue.drain()
+    assert done[-1] == 5
+    queue.submit(fail)
+    queue.close()  # a failing run: queued errors are logged, not raised again
+    with pytest.raises(ValueError, match="max_pending"):
+        LineageQueue(max_pending=0)

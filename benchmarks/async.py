@@ -9,9 +9,11 @@ Four runs of the same tiny addition config (pp = 1: one training rank, one rollo
 
 Per run: seconds per step in the steady state (the median step window after the first two steps),
 samples per second, the idle fractions of the rollout pool and of the training rank (from the
-tasks' own timestamps, flows/loop.py), and reward against wall-clock seconds. The planner's
-prediction (planner/async_steptime.py) takes the decoupled sync run's median stage seconds and
-predicts every other run's step time; it is printed beside the measurement. A PNG of reward against
+tasks' own timestamps, flows/loop.py), CPU seconds per step of all the run's processes, and reward
+against wall-clock seconds. The planner (planner/async_steptime.py) takes the decoupled sync run's
+median stage seconds, its training ranks' hand-off and its host CPU per step, and predicts every
+decoupled run's step time; printed beside the measurement, with the pure-overlap prediction (no
+host terms) for comparison. A PNG of reward against
 wall-clock seconds is written to docs/async_reward_vs_time.png.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/async.py [--iterations 14] [--prompts 64] [--runs-dir DIR] [key=value ...]
@@ -20,7 +22,9 @@ wall-clock seconds is written to docs/async_reward_vs_time.png.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -72,6 +76,7 @@ def main() -> None:
             t += x.get("step_window_seconds", 0.0)
             clock.append(t)
         rows.append({"label": label, "placement": placement, "s": s, "step_s": step_s,
+                     "host_cpu_s": _median(m, "host_cpu_seconds"), "handoff_s": _median(m, "train_handoff_seconds"),
                      "samples_per_s": cfg.num_samples / step_s, "idle": idle, "clock": clock,
                      "reward": summary.reward_mean, "wall_s": summary.wall_seconds,
                      "stages": {k: _median(m, f"{k}_seconds") for k in
@@ -82,13 +87,23 @@ def main() -> None:
     loop = max(0.0, sync["step_s"] - sync_step_seconds(critical))
     # pi_prox is the train forward's own log-prob unless a proximal pass is configured (P = 0 then).
     passes = effective_off_policy(cfg.train, 1).proximal == "pass"
-    calibrated = StageSeconds(**st, loop=loop, proximal=None if passes else 0.0)
-    print(f"sync stage seconds (median): " + ", ".join(f"{k} {v:.3f}" for k, v in st.items()) + f", loop {loop:.3f}")
-    print(f"{'run':<15} {'s/step':>7} {'pred':>7} {'err':>6} {'samples/s':>9} {'x sync':>6} "
-          f"{'idle roll':>9} {'idle train':>10} {'reward first->last':>19}")
+    overlap = StageSeconds(**st, loop=loop, proximal=None if passes else 0.0)
+    # The host's terms, from the same sync run: hand-off hops on the training chain, CPU per step.
+    cores = len(os.sched_getaffinity(0))
+    calibrated = dataclasses.replace(overlap, handoff=sync["handoff_s"], host_cpu=sync["host_cpu_s"], cores=cores)
+    print(f"sync stage seconds (median): " + ", ".join(f"{k} {v:.3f}" for k, v in st.items()) +
+          f", loop {loop:.3f}, hand-off {sync['handoff_s']:.3f}, host CPU {sync['host_cpu_s']:.3f} s "
+          f"on {cores} cores")
+    print(f"{'run':<15} {'s/step':>7} {'pred':>7} {'err':>6} {'overlap':>7} {'err':>6} {'host cpu':>8} "
+          f"{'samples/s':>9} {'x sync':>6} {'idle roll':>9} {'idle train':>10} {'reward first->last':>19}")
     for r in rows:
-        pred = async_step_seconds(calibrated, r["s"], colocated=r["placement"] == "colocated")
-        pred_txt = f"{pred:>7.3f} {pred / r['step_s'] - 1:>+6.0%}" if r["placement"] == "decoupled" else f"{'':>7} {'':>6}"
+        colocated = r["placement"] == "colocated"
+        pred = async_step_seconds(calibrated, r["s"], colocated=colocated)
+        bare = async_step_seconds(overlap, r["s"], colocated=colocated)
+        r["predicted_s"], r["overlap_s"] = pred, bare
+        pred_txt = (f"{pred:>7.3f} {pred / r['step_s'] - 1:>+6.0%} {bare:>7.3f} {bare / r['step_s'] - 1:>+6.0%}"
+                    if not colocated else f"{'':>7} {'':>6} {'':>7} {'':>6}")
+        pred_txt += f" {r['host_cpu_s']:>8.3f}"
         w = max(1, len(r["reward"]) // 4)
         first, last = sum(r["reward"][:w]) / w, sum(r["reward"][-w:]) / w
         print(f"{r['label']:<15} {r['step_s']:>7.3f} {pred_txt} {r['samples_per_s']:>9.1f} "

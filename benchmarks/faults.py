@@ -144,6 +144,10 @@ def _kill_when_started(client, cfg: GRPOConfig, trial: Trial, stop: threading.Ev
     while not stop.is_set():
         try:
             done = store.completed(trial.step) if store.has_step(trial.step) else None
+            # The loop creates a step's group while the step before runs: the step has started
+            # once that one is published (the synchronous loop submits it then).
+            if trial.step > 0 and "publish" not in store.completed(trial.step - 1):
+                done = None
         except Exception:  # attrs mid-write: look again
             done = None
         if done is not None and set(_AFTER[trial.stage]) <= done:
@@ -166,7 +170,7 @@ def _kill_when_started(client, cfg: GRPOConfig, trial: Trial, stop: threading.Ev
         trial.killed, trial.killed_during = "", f"not killed ({type(exc).__name__})"
         return
     try:
-        trial.killed_during = _running(store, cfg, trial.step)
+        trial.killed_during = _running(store, cfg, max(0, trial.step - 1))
     except Exception:  # attrs mid-write
         trial.killed_during = f"step={trial.step}"
     os.kill(pid, signal.SIGKILL)

@@ -46,7 +46,7 @@ from storage.rollouts import RolloutStore, StepLayout, StepRef
 from storage.run_folder import RunFolder
 
 __all__ = ["STAGES", "IterationError", "WorkerLostError", "IterationResult", "PendingIteration", "StageFutures", "run_iteration",
-           "submit_iteration", "finish_iteration", "step_layout", "step_stages"]
+           "prepare_step", "submit_iteration", "finish_iteration", "step_layout", "step_stages"]
 
 STAGES = ("rollout", "reward", "reference", "advantage", "train", "publish")
 # What each stage waits for; a stage's seconds are measured from the last of these finishing.
@@ -101,7 +101,8 @@ class StageFutures:
     work: tuple[Future, ...] = ()
     """The stage's tasks; their results are its measurements (publish: the new PolicyRef)."""
     gate: Future | None = None
-    """Marks the stage complete in the store after every work task; None when the stage was skipped."""
+    """Marks the stage complete in the store after every work task (a one-task stage's task marks it
+    itself and is its own gate); None when the stage was skipped."""
 
     @property
     def deps(self) -> tuple[Future, ...]:
@@ -110,7 +111,8 @@ class StageFutures:
 
     @property
     def futures(self) -> tuple[Future, ...]:
-        return self.work + self.deps
+        """Every future of the stage, once (a one-task stage's task is its own gate)."""
+        return tuple(dict.fromkeys(self.work + self.deps))
 
 
 _CHUNK_SAMPLES = 2048  # the most samples in one Zarr chunk of a step's per-sample arrays
@@ -152,11 +154,19 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
     io["retries"] = _STATELESS_RETRIES  # stateless: rerun elsewhere if their worker dies
     stages: dict[str, StageFutures] = {}
 
-    def add(stage: str, work: list[Future], **attrs) -> tuple[Future, ...]:
-        """Record the stage with a gate that marks it complete once all ``work`` has written."""
-        gate = client.submit(tasks.mark_stage_complete, ref, stage, *work, attrs=attrs,
-                             key=f"{stage}-done-{ref.step}-{tok}", **io)
-        stages[stage] = StageFutures(stage, tuple(work), gate)
+    def add(stage: str, calls: list[tuple], **attrs) -> tuple[Future, ...]:
+        """Submit the stage's tasks, ``calls`` = [(function, args, submit keywords)], and what marks
+        it complete in the store once all of them have written: a gate task after them or, for a
+        stage of one task, that task itself (one scheduler hop fewer on the step's path)."""
+        if len(calls) == 1:
+            fn, args, kw = calls[0]
+            work = client.submit(tasks.run_and_mark, fn, ref, stage, attrs, *args, **kw)
+            stages[stage] = StageFutures(stage, (work,), work)
+        else:
+            work = tuple(client.submit(fn, *args, **kw) for fn, args, kw in calls)
+            gate = client.submit(tasks.mark_stage_complete, ref, stage, *work, attrs=attrs,
+                                 key=f"{stage}-done-{ref.step}-{tok}", **io)
+            stages[stage] = StageFutures(stage, work, gate)
         return stages[stage].deps
 
     def skip(stage: str) -> tuple[Future, ...]:
@@ -166,27 +176,25 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
     if "rollout" in done:
         rollout = skip("rollout")
     else:
-        work = []
-        for i, (lo, hi) in enumerate(_ranges(layout.num_prompts, gpc, len(pools.rollout))):
-            engine = pools.rollout[i % len(pools.rollout)]
-            # Any engine may take any range (rows are seeded by step and prompt): no address pin,
-            # so an engine restarted at a new address picks up the range its predecessor lost.
-            work.append(client.submit(tasks.rollout_task, cfg, ref, policy, lo, hi, engine,
-                                      key=f"rollout-{ref.step}-{i}-{tok}", resources={"rollout": 1}, pure=False))
-        rollout = add("rollout", work)
+        # Any engine may take any range (rows are seeded by step and prompt): no address pin, so an
+        # engine restarted at a new address picks up the range its predecessor lost.
+        rollout = add("rollout", [
+            (tasks.rollout_task, (cfg, ref, policy, lo, hi, pools.rollout[i % len(pools.rollout)]),
+             dict(key=f"rollout-{ref.step}-{i}-{tok}", resources={"rollout": 1}, pure=False))
+            for i, (lo, hi) in enumerate(_ranges(layout.num_prompts, gpc, len(pools.rollout)))])
 
     if "reward" in done:
         reward = skip("reward")
     else:
-        reward = add("reward", [client.submit(tasks.score_task, cfg, ref, policy.path, lo * G, hi * G, *rollout,
-                                              key=f"score-{ref.step}-{i}-{tok}", **io)
+        reward = add("reward", [(tasks.score_task, (cfg, ref, policy.path, lo * G, hi * G, *rollout),
+                                 dict(key=f"score-{ref.step}-{i}-{tok}", **io))
                                 for i, (lo, hi) in enumerate(_ranges(layout.num_prompts, gpc, cfg.reward.num_tasks))])
 
     if "reference" in done:
         reference = skip("reference")
     else:
-        reference = add("reference", [client.submit(tasks.reference_task, cfg, ref, *rollout, *prev_train,
-                                                    key=f"reference-{ref.step}-{r}-{tok}", **train_pin[r])
+        reference = add("reference", [(tasks.reference_task, (cfg, ref, *rollout, *prev_train),
+                                       dict(key=f"reference-{ref.step}-{r}-{tok}", **train_pin[r]))
                                       for r in range(world)])
 
     proximal: tuple[Future, ...] = ()
@@ -194,27 +202,26 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
         if "proximal" in done:
             proximal = skip("proximal")
         else:  # the trainer's current weights: after the previous step's train, before this one's
-            proximal = add("proximal", [client.submit(tasks.proximal_task, cfg, ref, *rollout, *reference,
-                                                      *prev_train, key=f"proximal-{ref.step}-{r}-{tok}",
-                                                      **train_pin[r]) for r in range(world)])
+            proximal = add("proximal", [(tasks.proximal_task, (cfg, ref, *rollout, *reference, *prev_train),
+                                         dict(key=f"proximal-{ref.step}-{r}-{tok}", **train_pin[r]))
+                                        for r in range(world)])
 
     if "advantage" in done:
         advantage = skip("advantage")
     else:
-        advantage = add("advantage", [client.submit(tasks.advantage_task, cfg, ref, *reward,
-                                                    key=f"advantage-{ref.step}-{tok}", **io)])
+        advantage = add("advantage", [(tasks.advantage_task, (cfg, ref, *reward),
+                                       dict(key=f"advantage-{ref.step}-{tok}", **io))])
 
     if "train" in done:  # every rank's shard of the new version is on disk already
         train = skip("train")
     else:
-        train = add("train", [client.submit(tasks.train_task, cfg, ref, folder, new_version, *advantage, *reference,
-                                            *proximal, *prev_train, key=f"train-{ref.step}-{r}-{tok}", **train_pin[r])
+        train = add("train", [(tasks.train_task, (cfg, ref, folder, new_version, *advantage, *reference, *proximal,
+                                                  *prev_train), dict(key=f"train-{ref.step}-{r}-{tok}", **train_pin[r]))
                               for r in range(world)], trainer_version=ref.step)
 
     # Publish always runs: it is idempotent, and a step whose publish is complete is not rerun.
-    add("publish", [client.submit(tasks.publish_task, folder, new_version, policy, ref.step,
-                                  cfg.train.pipeline_model_parallel_size, *train, key=f"publish-{ref.step}-{tok}",
-                                  **io)],
+    add("publish", [(tasks.publish_task, (folder, new_version, policy, ref.step, cfg.train.pipeline_model_parallel_size,
+                                          *train), dict(key=f"publish-{ref.step}-{tok}", **io))],
         next_policy_version=new_version)
     return stages
 
@@ -248,18 +255,32 @@ class PendingIteration:
         return self.stages["train"].deps
 
 
+def prepare_step(cfg: GRPOConfig, folder: RunFolder, step: int, policy_version: int) -> bool:
+    """Create step ``step``'s empty Zarr group ahead of its submission (the loop does it while the
+    step before runs: creating a step's arrays takes tens of milliseconds). A step the folder holds
+    already (a resumed run) is left as it is. True when created: submit the step with
+    ``prepared=True`` then, and nothing may write to it before."""
+    store = folder.rollout_store()
+    if store.has_step(step):
+        return False
+    store.create_step(step, step_layout(cfg), policy_version, config_hash(cfg))
+    return True
+
+
 def submit_iteration(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, step: int,
-                     policy: PolicyRef, prev_train: tuple[Future, ...] = (), attempt: int = 0) -> PendingIteration:
+                     policy: PolicyRef, prev_train: tuple[Future, ...] = (), attempt: int = 0,
+                     prepared: bool = False) -> PendingIteration:
     """Submit step ``step``'s graph, generating from ``policy`` (the version the rule names);
     ``prev_train``: the previous step's train gate while that step is still in flight; ``attempt``
-    numbers reruns of the step (new task keys). Raises :class:`WorkerLostError` when a training
-    worker of ``pools`` is already gone."""
+    numbers reruns of the step (new task keys); ``prepared``: :func:`prepare_step` created the
+    step's group for ``policy``'s version and nothing has written to it since. Raises
+    :class:`WorkerLostError` when a training worker of ``pools`` is already gone."""
     lost = lost_workers(client, pools)
     if lost:
         raise WorkerLostError(f"step {step}: training worker {', '.join(lost)} was lost before the step started", lost)
     store = folder.rollout_store()
-    done = store.completed(step)
-    if "rollout" not in done or store.attrs(step).get("policy_version") != policy.version:
+    done = set() if prepared else store.completed(step)
+    if not prepared and ("rollout" not in done or store.attrs(step).get("policy_version") != policy.version):
         # A partial rollout, or one from another version, is regenerated whole.
         store.create_step(step, step_layout(cfg), policy.version, config_hash(cfg))
         done = set()
@@ -395,6 +416,11 @@ def _collect(step: int, values: dict[str, list], stage_seconds: dict[str, float]
         for e in events:
             if "ts" in e:
                 e["ts"] -= origin
+    forward = [r["task_end"] for s in ("reference", "proximal") for r in values.get(s, [])]
+    if forward and trains:
+        # The ranks' wait between the step's forward-only passes and its train task: the gate and
+        # dispatch hops (and the advantages, when they come later); the planner's per-hop cost.
+        m["train_handoff_seconds"] = min(r["task_start"] for r in trains) - max(forward)
     m.update(weight_sync.step_metrics(values))
     m.update({f"{s}_seconds": v for s, v in stage_seconds.items()})
     busy = [("rollout", r["task_start"], r["task_end"]) for r in values["rollout"]]

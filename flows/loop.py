@@ -28,20 +28,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import psutil
 from distributed import wait
 from tqdm.auto import tqdm
 
 from flows import tasks, weight_sync
+from flows.background import BackgroundQueue
 from flows.async_schedule import behaviour_version, released_by, trainer_version
 from flows.cluster import (ClusterError, Pools, check_pools, dashboard_link, lost_workers, restart_train_workers,
                            start_cluster)
 from flows.iteration import (STAGES, IterationError, IterationResult, PendingIteration, WorkerLostError,
-                             finish_iteration, submit_iteration)
+                             finish_iteration, prepare_step, submit_iteration)
 from flows.preflight import preflight
 from flows.schema import GRPOConfig, config_hash, config_to_dict
 from stages.policy.tokenizer import TextCodec
 from stages.train.rendezvous import free_port
-from storage.lineage import Lineage, LineageQueue, StepRun
+from storage.lineage import Lineage, StepRun
 from storage.plots import save_run_plots
 from storage.policies import PolicyRef
 from storage.run_folder import RunFolder
@@ -212,7 +214,8 @@ def run(cfg: GRPOConfig, progress: bool = True) -> RunSummary:
         log.info("starting %d training ranks from policy v%d; %d iterations from step %d",
                  len(pools.train), policy.version, cfg.iterations - first_step, first_step)
         _init_ranks(client, cfg, pools, policy)
-        results = _loop(client, cfg, pools, folder, policy, first_step, lineage, progress)
+        results = _loop(client, cfg, pools, folder, policy, first_step, lineage, progress,
+                        host_cpu=_HostCPU() if cluster is not None else None)
         summary = _summarise(cfg, lineage, uri, folder, results, time.perf_counter() - start)
         summary_path = folder.save_summary(summary.to_json())
         lineage.log_summary({"wall_seconds": summary.wall_seconds, **_idle_fractions(results)}, [summary_path])
@@ -232,15 +235,39 @@ def run(cfg: GRPOConfig, progress: bool = True) -> RunSummary:
             cluster.close()
 
 
+class _HostCPU:
+    """CPU seconds (user + system) of this process and every process it started (an embedded
+    cluster's nannies, workers and their reward processes) since the last :meth:`take`: the host
+    CPU a step costs when taken once per finished step. A process that exits between two takes
+    loses its last interval; one that starts counts whole."""
+
+    def __init__(self):
+        self._seen: dict[int, float] = {}
+        self.take()
+
+    def take(self) -> float:
+        me = psutil.Process()
+        now: dict[int, float] = {}
+        for proc in (me, *me.children(recursive=True)):
+            try:
+                t = proc.cpu_times()
+                now[proc.pid] = t.user + t.system
+            except psutil.Error:  # gone meanwhile
+                continue
+        spent = sum(max(0.0, c - self._seen.get(pid, 0.0)) for pid, c in now.items())
+        self._seen = now
+        return spent
+
+
 def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: PolicyRef, first_step: int,
-          lineage: Lineage, progress: bool) -> list[IterationResult]:
+          lineage: Lineage, progress: bool, host_cpu: _HostCPU | None = None) -> list[IterationResult]:
     results: list[IterationResult] = []
     store = folder.rollout_store()
     s = cfg.rollout.max_staleness
     published = {policy.version: policy}  # versions the rule may still ask for
     in_flight: deque[PendingIteration] = deque()
-    handles: dict[int, Future] = {}  # step -> its StepRun, from the lineage queue
-    queue = LineageQueue()
+    handles: dict[int, Future] = {}  # step -> its StepRun, from the background queue
+    queue = BackgroundQueue()  # lineage and the next step's Zarr group, while steps run
     outer = tqdm(range(first_step, cfg.iterations), desc="iterations", disable=not progress, unit="it")
 
     def _finish_step(pending: PendingIteration, advance) -> IterationResult:
@@ -278,21 +305,20 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
         raise AssertionError("unreachable")
 
     def log_step(handle: Future, result: IterationResult, plot_rows: list[dict] | None) -> None:
-        """The step's lineage (on the lineage queue's thread), then its "lineage" mark: written
+        """The step's lineage (on the background queue's thread), then its "lineage" mark: written
         last, with the step's metrics for summary.json, it says the step needs no rerun."""
         t0 = time.perf_counter()
         step = result.step
         trace_path = folder.save_trace(step, result.trace_events)
         child: StepRun = handle.result()
-        with child:  # metrics, policy, dataset with schema, decoded samples, timeline; ends the child run
-            child.log_metrics(result.metrics)
-            child.log_policy(result.policy.version, result.policy.path, result.policy.sha256)
-            child.log_rollouts(store.ref(step).path, store.digest(step), step_array_specs(folder.rollouts, step))
+        with child:  # decoded samples, timeline, dataset with schema, metrics and policy; ends the child run
             table = load_sample_table(folder.rollouts, step, codec(result.policy.path).decode,
                                       max(cfg.mlflow.sample_groups, 1))
-            if cfg.mlflow.sample_groups:
-                child.log_samples(table)
+            tags = child.log_samples(table, set_tag=False) if cfg.mlflow.sample_groups else {}
             child.log_artifact(trace_path, "timelines")
+            child.log_rollouts(store.ref(step).path, store.digest(step), step_array_specs(folder.rollouts, step))
+            child.log_metrics(result.metrics, tags={**tags, **child.policy_tags(
+                result.policy.version, result.policy.path, result.policy.sha256)})
         if plot_rows is not None:  # refresh the plots
             lineage.log_plots(save_run_plots(plot_rows, folder.plots, STAGES))
         if step % cfg.mlflow.plot_every_steps == 0 and table["id"]:  # one decoded example now and then
@@ -303,14 +329,21 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
         metrics["lineage_seconds"] = time.perf_counter() - t0
         store.mark_complete(step, "lineage", metrics=metrics, mlflow_run_id=child.run_id)
 
-    codecs: dict[str, TextCodec] = {}
+    codecs: list[TextCodec] = []
 
     def codec(policy_path: str) -> TextCodec:
-        """The tokenizer of a policy folder, read once (every version of a run has the same one)."""
-        if policy_path not in codecs:
-            codecs.clear()
-            codecs[policy_path] = TextCodec.from_policy_folder(policy_path, cfg.dataset.chat_template)
-        return codecs[policy_path]
+        """The run's tokenizer, read once: every version is published with the base policy's."""
+        if not codecs:
+            codecs.append(TextCodec.from_policy_folder(policy_path, cfg.dataset.chat_template))
+        return codecs[0]
+
+    prepared: dict[int, Future] = {}  # step -> whether prepare_step created its group
+
+    def take_prepared(step: int) -> bool:
+        """Whether step ``step``'s group was created ahead (then it is not created again); a
+        preparation that has not started is cancelled, so it never runs beside the submission."""
+        future = prepared.pop(step, None)
+        return future is not None and not future.cancel() and future.result()
 
     def finish_oldest() -> None:
         pending = in_flight.popleft()
@@ -333,6 +366,8 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
             # policy, so they restart from the version just published.
             _init_ranks(client, cfg, pools, result.policy)
         result.metrics["publish_seconds_total"] = result.stage_seconds["publish"]
+        if host_cpu is not None:  # embedded cluster: every process of the run is on this host
+            result.metrics["host_cpu_seconds"] = host_cpu.take()
         # Staleness of the consumed rows: trainer version minus each row's behaviour version.
         lag = trainer_version(step) - store.read(step, "policy_version")["policy_version"].astype(np.int64)
         result.metrics["staleness_mean"], result.metrics["staleness_max"] = float(lag.mean()), float(lag.max())
@@ -355,11 +390,14 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
             if not in_flight:  # the training workers are idle: a replaced engine may rejoin the channel
                 weight_sync.reopen_if_engines_moved(client, cfg, pools, behaviour)
             prev_train = in_flight[-1].train_gate if in_flight else ()
-            # The child run spans the step from its submission (opened on the lineage queue's thread);
+            # The child run spans the step from its submission (opened on the background queue's thread);
             # an interrupted process may have opened child runs for the steps it had in flight.
             handles[step] = queue.submit(lineage.start_step, step, version, start_time_ms=int(time.time() * 1000),
                                          reopen=step <= first_step + s)
-            in_flight.append(submit_iteration(client, cfg, pools, folder, step, behaviour, prev_train))
+            in_flight.append(submit_iteration(client, cfg, pools, folder, step, behaviour, prev_train,
+                                              prepared=take_prepared(step)))
+            if step + 1 < cfg.iterations:  # its Zarr group, while this step runs
+                prepared[step + 1] = queue.submit(prepare_step, cfg, folder, step + 1, behaviour_version(step + 1, s))
             if in_flight[-1].stages["train"].gate is None:
                 # Train found complete (a resumed run): the ranks restart from its version when the step
                 # finishes, so no later step's training-rank task may be queued before that.

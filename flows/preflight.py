@@ -123,6 +123,8 @@ def _check_steps(cfg: GRPOConfig, folder) -> None:
     expected = step_layout(cfg)
     for step in store.steps():
         where = f"rollout step {step} ({store.ref(step).path})"
+        if not store.has_step(step):
+            continue  # a folder without group metadata: killed while (re)creating it; a rerun recreates it
         try:
             attrs = store.attrs(step)
             layout = store.layout(step)

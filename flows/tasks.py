@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -254,6 +255,14 @@ def mark_stage_complete(ref: StepRef, stage: str, *deps, attrs: dict | None = No
     results = [_jsonable({k: v for k, v in d.items() if k != "events"}) for d in deps if isinstance(d, dict)]
     RolloutStore(ref.root).mark_complete(ref.step, stage, **(attrs or {}), **{f"results_{stage}": results})
     return stage
+
+
+def run_and_mark(fn: Callable, ref: StepRef, stage: str, attrs: dict, *args):
+    """``fn(*args)``, the only task of ``stage``, then the stage's completion mark with its result
+    (as :func:`mark_stage_complete` writes it), in the same task."""
+    result = fn(*args)
+    mark_stage_complete(ref, stage, result, attrs=attrs)
+    return result
 
 
 def _jsonable(value):

@@ -8,12 +8,21 @@ U (publish) and L (the loop's own seconds per step: lineage, submission; measure
 seconds per step minus its critical path):
 
     sync (s = 0):        R + max(W, F) + T + U + L                      (one step in flight)
-    async, decoupled:    max(R, F + P + T, (R + max(W, F + P) + T + U + L) / (s + 1))
-    async, colocated:    R + F + P + T  (+ the cycle bound as above)
+    async, decoupled:    max(R, F + P + T + 2 H, (R + max(W, F + P) + T + U + L) / (s + 1), C / n)
+    async, colocated:    R + F + P + T + 2 H  (+ the cycle and host bounds as above)
 
 Decoupled, the engine and the ranks each run their own chain; a step's rollout also waits for the
 publish of step k - s - 1, a cycle through s + 1 steps, hence the third term. Colocated, one worker
 queue holds rollout and the ranks' tasks, so asynchrony hides only reward, advantage and publish.
+
+Two terms price the host the sync run measured on. H (``handoff``) is what the ranks wait between
+two of their tasks, a completion gate and a dispatch through the scheduler (the sync run's
+train_handoff_seconds): the synchronous path pays it inside L, but in the asynchronous steady state
+the training chain runs back to back, two hand-offs a step (train -> next reference -> train). C
+(``host_cpu``) is the CPU seconds a step costs every process of the run on the host (workers,
+driver, scheduler, reward processes: the sync run's host_cpu_seconds) and n the host's cores: no
+schedule runs a step in less than C / n. Without them (None / 0) the model is the pure overlap of
+the stages, the limit of a host with cores to spare.
 """
 
 from __future__ import annotations
@@ -37,11 +46,25 @@ class StageSeconds:
     """Seconds per step outside the stages (lineage logging, submission)."""
     proximal: float | None = None
     """Forward pass of the trainer's weights; None: taken equal to the reference pass."""
+    handoff: float = 0.0
+    """Seconds the training ranks wait between two of their tasks (gate and dispatch hops)."""
+    host_cpu: float | None = None
+    """CPU seconds per step of every process of the run on the host; None: no host bound."""
+    cores: int | None = None
+    """The host's cores, for host_cpu."""
 
     def __post_init__(self) -> None:
-        for name in ("rollout", "reward", "reference", "advantage", "train", "publish", "loop"):
+        for name in ("rollout", "reward", "reference", "advantage", "train", "publish", "loop", "handoff"):
             if getattr(self, name) < 0:
                 raise ValueError(f"StageSeconds.{name}={getattr(self, name)} must be >= 0 (seconds)")
+        if self.host_cpu is not None and (self.host_cpu < 0 or not self.cores or self.cores < 1):
+            raise ValueError(f"StageSeconds.host_cpu={self.host_cpu} needs >= 0 CPU seconds and cores >= 1 "
+                             f"(got cores={self.cores})")
+
+    @property
+    def host_floor(self) -> float:
+        """C / n: the step time the host's cores allow (0 without host_cpu)."""
+        return 0.0 if self.host_cpu is None else self.host_cpu / self.cores
 
     @property
     def prox(self) -> float:
@@ -61,6 +84,7 @@ def async_step_seconds(t: StageSeconds, max_staleness: int, colocated: bool = Fa
         return sync_step_seconds(t)
     cycle = (t.rollout + max(t.reward + t.advantage, t.reference + t.prox) + t.train + t.publish + t.loop) \
         / (max_staleness + 1)
+    chain = t.reference + t.prox + t.train + 2 * t.handoff
     if colocated:
-        return max(t.rollout + t.reference + t.prox + t.train, cycle)
-    return max(t.rollout, t.reference + t.prox + t.train, cycle)
+        return max(t.rollout + chain, cycle, t.host_floor)
+    return max(t.rollout, chain, cycle, t.host_floor)

@@ -13,16 +13,13 @@ A resumed run continues its parent run (``run_id``).
 from __future__ import annotations
 
 import json
-import logging
 import posixpath
 import subprocess
 import sys
 import tempfile
 import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import mlflow
 import numpy as np
@@ -35,7 +32,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT, MLFLOW_LOGGED_ARTIF
 from mlflow.types import Schema, TensorSpec
 
 __all__ = [
-    "EXPERIMENT_KIND_TAG", "TRAINING_EXPERIMENT_KIND", "ZarrDatasetSource", "Lineage", "LineageQueue", "StepRun",
+    "EXPERIMENT_KIND_TAG", "TRAINING_EXPERIMENT_KIND", "ZarrDatasetSource", "Lineage", "StepRun",
     "experiment_page", "flatten", "git_commit", "iteration_runs", "rollout_schema",
     "ui_command", "ui_environment",
 ]
@@ -121,17 +118,23 @@ class StepRun:
         self.lineage, self.step, self.run_id = lineage, step, run_id
         self.ended = False
 
-    def log_metrics(self, metrics: dict[str, float], on_parent: bool = True) -> None:
-        """The step's metrics; the parent gets them too, so the UI plots the curve on one page."""
-        self.lineage._log(self.run_id, metrics=metrics, step=self.step)
+    def log_metrics(self, metrics: dict[str, float], on_parent: bool = True, tags: dict[str, str] | None = None
+                    ) -> None:
+        """The step's metrics (and ``tags``, in the same call); the parent gets the metrics too, so
+        the UI plots the curve on one page."""
+        self.lineage._log(self.run_id, metrics=metrics, tags=tags, step=self.step)
         if on_parent:
             self.lineage._log(self.lineage.run_id, metrics=metrics, step=self.step)
 
+    @staticmethod
+    def policy_tags(version_out: int, path: str, sha256: str) -> dict[str, str]:
+        """The tags that name the policy version a step published (:meth:`log_policy`)."""
+        return {"policy.version_out": str(version_out), "policy.version": str(version_out), "policy.path": path,
+                "policy.sha256": sha256}
+
     def log_policy(self, version_out: int, path: str, sha256: str) -> None:
         """The policy version this step published."""
-        self.lineage._log(self.run_id, tags={
-            "policy.version_out": str(version_out), "policy.version": str(version_out),
-            "policy.path": path, "policy.sha256": sha256})
+        self.lineage._log(self.run_id, tags=self.policy_tags(version_out, path, sha256))
 
     def log_rollouts(self, url: str, digest: str, arrays: dict[str, tuple[str, tuple[int, ...]]] | None = None
                      ) -> None:
@@ -144,10 +147,13 @@ class StepRun:
         context = InputTag(key=MLFLOW_DATASET_CONTEXT, value="training")
         self.lineage.client.log_inputs(self.run_id, [DatasetInput(dataset._to_mlflow_entity(), [context])])
 
-    def log_samples(self, table: dict[str, list], artifact_file: str | None = None) -> None:
-        """A table of decoded samples (equal-length columns), shown by the run's artifact view."""
+    def log_samples(self, table: dict[str, list], artifact_file: str | None = None, set_tag: bool = True
+                    ) -> dict[str, str]:
+        """A table of decoded samples (equal-length columns), shown by the run's artifact view.
+        Returns the tag that marks the file as a table; ``set_tag=False`` leaves setting it to the
+        caller (with :meth:`log_metrics`, one call fewer)."""
         if not any(table.values()):  # zero groups asked for: no empty table in the UI
-            return
+            return {}
         name = artifact_file or f"samples/step_{self.step}.json"
         # What MlflowClient.log_table writes (a JSON table in pandas' "split" layout and the tag that
         # makes the UI show it as a table) without its reads: it lists the run's artifacts and
@@ -158,7 +164,10 @@ class StepRun:
             path = Path(tmp) / Path(name).name
             path.write_text(json.dumps({"columns": list(table), "data": rows}))
             self.lineage.client.log_artifact(self.run_id, str(path), posixpath.dirname(name) or None)
-        self.lineage._log(self.run_id, tags={MLFLOW_LOGGED_ARTIFACTS: json.dumps([{"path": name, "type": "table"}])})
+        tags = {MLFLOW_LOGGED_ARTIFACTS: json.dumps([{"path": name, "type": "table"}])}
+        if set_tag:
+            self.lineage._log(self.run_id, tags=tags)
+        return tags
 
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
         self.lineage.client.log_artifact(self.run_id, path, artifact_path)
@@ -262,49 +271,6 @@ class Lineage:
 
     def finish(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status, end_time=_now_ms())
-
-
-class LineageQueue:
-    """Calls run in submission order on one background thread, so the lineage of step k (a few
-    MLflow calls, tens of milliseconds each with the sqlite store) is written while step k + 1
-    runs instead of delaying its submission. While a loop uses the queue only its thread calls
-    MLflow. A failed call fails the run: the next :meth:`submit` or :meth:`drain` raises its error.
-    At most ``max_pending`` calls wait; a further submit first waits for the oldest, so logging
-    slower than the steps holds the loop back instead of piling up."""
-
-    def __init__(self, max_pending: int = 16):
-        if max_pending < 1:
-            raise ValueError(f"max_pending={max_pending} must be >= 1")
-        self.max_pending = max_pending
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lineage")
-        self._pending: deque[Future] = deque()
-
-    def submit(self, fn: Callable, *args, **kwargs) -> Future:
-        """Run ``fn(*args, **kwargs)`` after every call submitted before it; its future."""
-        self._reap(wait_for=self.max_pending - 1)
-        future = self._pool.submit(fn, *args, **kwargs)
-        self._pending.append(future)
-        return future
-
-    def _reap(self, wait_for: int) -> None:
-        """Drop finished calls (raising the first error) until at most ``wait_for`` are pending."""
-        while self._pending and (self._pending[0].done() or len(self._pending) > wait_for):
-            self._pending.popleft().result()
-
-    def drain(self) -> None:
-        """Wait for every call submitted so far; raises the first one's error."""
-        self._reap(wait_for=0)
-
-    def close(self) -> None:
-        """Wait for the calls still queued and stop the thread; their errors are logged, not raised
-        (for a run that is already failing: call :meth:`drain` first to see them)."""
-        for future in self._pending:
-            try:
-                future.result()
-            except Exception as exc:
-                logging.getLogger(__name__).warning("lineage call failed: %s", exc)
-        self._pending.clear()
-        self._pool.shutdown(wait=True)
 
 
 def iteration_runs(tracking_uri: str, parent_run_id: str):

@@ -104,9 +104,12 @@ class StepLayout:
         return self.group_size * min(self.groups_per_chunk, self.num_prompts)
 
 
-async def _create_arrays(root: str, name: str, layout: StepLayout) -> "zarr.Group":
-    """(Re)create group ``name`` under ``root`` holding the empty ARRAYS of ``layout``."""
-    group = await (await zarr.api.asynchronous.open_group(root, mode="a")).create_group(name, overwrite=True)
+async def _create_arrays(root: str, name: str, layout: StepLayout, attrs: dict) -> "zarr.Group":
+    """(Re)create group ``name`` under ``root`` with ``attrs``, holding the empty ARRAYS of ``layout``.
+    The attributes go with the group's own metadata, before any array: a process killed half-way
+    leaves a group that says its layout and that no stage is complete (a rerun recreates it)."""
+    parent = await zarr.api.asynchronous.open_group(root, mode="a")
+    group = await parent.create_group(name, overwrite=True, attributes=attrs)
     trailing = {"": (), "prompt": (layout.prompt_width,), "gen": (layout.max_new_tokens,)}
     await asyncio.gather(*(
         group.create_array(array, shape=(layout.num_samples, *trailing[kind]),
@@ -131,8 +134,7 @@ class RolloutStore:
         try:
             # The arrays' metadata files are written concurrently: one after another they were
             # ~40% of this call (12 arrays).
-            group = sync(_create_arrays(self.root, f"step_{step}", layout))
-            group.attrs.update({
+            sync(_create_arrays(self.root, f"step_{step}", layout, {
                 "group_size": layout.group_size,
                 "num_prompts": layout.num_prompts,
                 "prompt_width": layout.prompt_width,
@@ -141,7 +143,7 @@ class RolloutStore:
                 "policy_version": policy_version,
                 "config_hash": config_hash,
                 "complete": [],
-            })
+            }))
         except Exception as exc:
             raise RolloutStoreError(f"cannot create {self.ref(step)}: {exc}") from exc
         return self.ref(step)

@@ -114,3 +114,12 @@ def test_planner_by_hand():
     assert sync_step_seconds(t) == 9 and async_step_seconds(t, 0) == 9
     assert async_step_seconds(t, 1) == 5 and async_step_seconds(t, 2) == 5
     assert async_step_seconds(t, 1, colocated=True) == 4 + 1 + 1 + 3
+    # The host's terms: hand-offs lengthen the training chain 1 + 1 + 3 + 2 * 0.5 = 6 > 5; a step
+    # costing 13 CPU seconds on 2 cores cannot run faster than 6.5; the sync prediction is unchanged.
+    host = StageSeconds(rollout=4, reward=0.5, reference=1, advantage=0.5, train=3, publish=0.5, loop=0.5, handoff=0.5)
+    assert async_step_seconds(host, 1) == 6 and sync_step_seconds(host) == 9
+    busy = StageSeconds(rollout=4, reward=0.5, reference=1, advantage=0.5, train=3, publish=0.5, loop=0.5,
+                        host_cpu=13, cores=2)
+    assert async_step_seconds(busy, 1) == 6.5 and async_step_seconds(busy, 0) == 9
+    with pytest.raises(ValueError, match="cores"):
+        StageSeconds(rollout=4, reward=0.5, reference=1, advantage=0.5, train=3, publish=0.5, host_cpu=13)

@@ -58,6 +58,13 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -77,6 +84,13 @@ def _kill_when(proc: subprocess.Popen, run: Path, step: int, stage: str, rng: ra
         time.sleep(0.02)
     if jitter:
         time.sleep(rng.uniform(0.0, 1.5))
+    # A mark written before this driver started (an earlier driver's last tasks, or a step that ran
+    # while the previous step's lineage was still being written) must not kill it before it has
+    # workers: their exit is what the orphan check is about.
+    while not any(b"resource_tracker" not in _cmdline(p) for p in _children(proc.pid)):
+        assert proc.poll() is None, f"the driver ended before starting workers: {proc.stderr.read().decode()[-2000:]}"
+        assert time.time() < deadline, "the driver never started its workers"
+        time.sleep(0.02)
     workers = _children(proc.pid)
     proc.send_signal(signal.SIGKILL)
     proc.wait()

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -12,8 +15,9 @@ import yaml
 
 import mlflow
 
-from storage.lineage import (EXPERIMENT_KIND_TAG, Lineage, LineageQueue, experiment_page, git_commit,  # noqa: E402
-                             iteration_runs, ui_command)
+from flows.background import BackgroundQueue  # noqa: E402
+from storage.lineage import (EXPERIMENT_KIND_TAG, Lineage, experiment_page, git_commit, iteration_runs,  # noqa: E402
+                             ui_command)
 
 CONFIG = {"run_name": "t", "train": {"schedule": "1f1b", "lr": 7e-4}, "reward": {"functions": ("exact_match",)}}
 
@@ -137,8 +141,8 @@ def test_ui_command_runs_one_worker_on_loopback():
     assert cmd[cmd.index("--port") + 1] == "5123"
 
 
-def test_lineage_queue_runs_calls_in_order_and_raises_the_first_error():
-    queue = LineageQueue(max_pending=2)
+def test_background_queue_runs_calls_in_order_and_raises_the_first_error():
+    queue = BackgroundQueue(max_pending=2)
     done = []
 
     def slow(i):
@@ -163,4 +167,14 @@ def test_lineage_queue_runs_calls_in_order_and_raises_the_first_error():
     queue.submit(fail)
     queue.close()  # a failing run: queued errors are logged, not raised again
     with pytest.raises(ValueError, match="max_pending"):
-        LineageQueue(max_pending=0)
+        BackgroundQueue(max_pending=0)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread niceness is Linux's")
+def test_background_queue_thread_yields_the_cpu():
+    queue = BackgroundQueue(niceness=19)
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    worker = queue.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
+    queue.close()
+    assert worker == 19  # raising one's own niceness needs no privilege
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own  # the caller's is untouched

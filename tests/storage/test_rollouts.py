@@ -242,3 +242,35 @@ def test_cached_handles_follow_a_recreated_step(tmp_path):
     store.write(0, "reward", values)
     np.testing.assert_array_equal(store.read(0, "reward")["reward"], values)
     np.testing.assert_array_equal(RolloutStore(store.root).read(0, "length")["length"], 0)  # fresh arrays
+
+
+def test_a_creation_cut_short_leaves_a_group_that_says_nothing_is_complete(tmp_path, monkeypatch):
+    """A process killed while creating a step (the loop creates the next step's group in the
+    background) leaves a group whose attributes still give the layout and no complete stage, so a
+    rerun recreates it instead of refusing the folder."""
+    store, layout = make_store(tmp_path), make_layout()
+    from zarr.core.group import AsyncGroup
+
+    async def killed(self, *args, **kwargs):
+        raise OSError("killed")
+
+    monkeypatch.setattr(AsyncGroup, "create_array", killed)
+    with pytest.raises(RolloutStoreError, match="cannot create step=1"):
+        store.create_step(1, layout, policy_version=3, config_hash="h")
+    assert store.has_step(1) and store.completed(1) == set()
+    assert store.layout(1) == layout and store.attrs(1)["policy_version"] == 3
+
+
+def test_preflight_passes_over_groups_cut_short(tmp_path):
+    from flows.config import load_config
+    from flows.iteration import step_layout
+    from flows.preflight import _check_steps
+    from storage.run_folder import RunFolder
+
+    cfg = load_config("configs/tiny.yaml", [f"runs_dir={tmp_path}"])
+    folder = RunFolder.at(tmp_path, cfg.run_name).create()
+    store = folder.rollout_store()
+    store.create_step(0, step_layout(cfg), policy_version=0, config_hash="h")
+    (tmp_path / cfg.run_name / "rollouts.zarr" / "step_1").mkdir()  # killed before its metadata was written
+    _check_steps(cfg, folder)
+    assert store.completed(1) == set()

@@ -7,16 +7,22 @@ Four runs of the same tiny addition config (pp = 1: one training rank, one rollo
   decoupled s=1   the same pools, step k generates from max(0, k - 1) while the rank trains k
   decoupled s=2
 
+By default generation and training take comparable time: 16 prompts x G 8 from the untrained
+policy v0 (warmup.steps=0: end-of-sequence is one token in ~17, so completions run long) with up to
+32 new tokens. Its reward stays 0 (exact match of an untrained model): for the reward curve run
+``--warmed --prompts 32 --max-new-tokens 6`` (the shipped tiny policy, whose answers end after 2-4
+tokens, so generation is a third of training there).
+
 Per run: seconds per step in the steady state (the median step window after the first two steps),
 samples per second, the idle fractions of the rollout pool and of the training rank (from the
 tasks' own timestamps, flows/loop.py), CPU seconds per step of all the run's processes, and reward
 against wall-clock seconds. The planner (planner/async_steptime.py) takes the decoupled sync run's
 median stage seconds, its training ranks' hand-off and its host CPU per step, and predicts every
 decoupled run's step time; printed beside the measurement, with the pure-overlap prediction (no
-host terms) for comparison. A PNG of reward against
-wall-clock seconds is written to docs/async_reward_vs_time.png.
+host terms) for comparison. A PNG of reward against wall-clock seconds goes to ``--out``.
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/async.py [--iterations 14] [--prompts 64] [--runs-dir DIR] [key=value ...]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/async.py [--iterations 10] [--prompts 16] [--max-new-tokens 32]
+        [--warmed] [--runs-dir DIR] [key=value ...]
 """
 
 from __future__ import annotations
@@ -44,7 +50,8 @@ def _config(runs_dir: str, name: str, placement: str, s: int, threads: int, args
         f"rollout.max_staleness={s}", f"cluster.placement={placement}", f"cluster.rollout_threads={threads}",
         f"cluster.train_threads={threads}", "train.pipeline_model_parallel_size=1",
         f"task.prompts_per_step={args.prompts}", f"rollout.max_new_tokens={args.max_new_tokens}",
-        f"train.micro_batch_size={args.prompts * 8 // 4}", "reward.num_tasks=1", *args.overrides])
+        f"train.micro_batch_size={args.prompts * 8 // 4}", "reward.num_tasks=1",
+        *(() if args.warmed else ("warmup.steps=0",)), *args.overrides])
 
 
 def _median(metrics: list[dict], key: str, skip: int = 2) -> float:
@@ -54,13 +61,15 @@ def _median(metrics: list[dict], key: str, skip: int = 2) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--iterations", type=int, default=14)
-    ap.add_argument("--prompts", type=int, default=64)
-    ap.add_argument("--max-new-tokens", type=int, default=6)
+    ap.add_argument("--iterations", type=int, default=10)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--warmed", action="store_true", help="start from the warmed-up tiny policy (configs/tiny.yaml's "
+                    "warm-up) instead of the untrained one")
     ap.add_argument("--out", default="docs/async_reward_vs_time.png")
     ap.add_argument("--json", default="")
     ap.add_argument("--runs-dir", default="", help="reuse this folder's base-policy cache (default: a temp folder)")
-    ap.add_argument("overrides", nargs="*", help="key=value on top of the benchmark config, e.g. warmup.steps=0")
+    ap.add_argument("overrides", nargs="*", help="key=value on top of the benchmark config, e.g. rollout.temperature=0.7")
     args = ap.parse_args()
     runs_dir = args.runs_dir or tempfile.mkdtemp(prefix="async-bench-")
     rows = []
@@ -121,7 +130,8 @@ def main() -> None:
         ax.plot(r["clock"], r["reward"], marker=".", label=r["label"])
     ax.set_xlabel("wall-clock seconds (from the first task)")
     ax.set_ylabel("mean reward of the step")
-    ax.set_title(f"tiny addition, {args.prompts} prompts x 8, 2 cores")
+    ax.set_title(f"tiny addition, {args.prompts} prompts x 8, <= {args.max_new_tokens} new tokens, "
+                 f"{'warmed' if args.warmed else 'untrained'} v0, 2 cores")
     ax.legend()
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)

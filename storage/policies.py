@@ -16,10 +16,12 @@ import hashlib
 import json
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 __all__ = ["PolicyStoreError", "PolicyRef", "PolicyStore", "load_model_folder", "load_tokenizer_json"]
@@ -52,6 +54,15 @@ def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def _file_sha256(path: Path, chunk_bytes: int = 16 << 20) -> str:
+    """sha256 of a file, read in chunks (no copy of the whole file in memory)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 class PolicyStore:
@@ -110,16 +121,24 @@ class PolicyStore:
         ``source``: an HF folder whose tokenizer_config.json, special_tokens_map.json and
         generation_config.json, where present, are copied into the version."""
         path = self.version_path(version)
-        weight_map, total, digest = {}, 0, hashlib.sha256()
-        for i in range(count):
-            shard = path / _shard_name(i, count)
-            if not shard.exists():
-                raise PolicyStoreError(f"policy v{version} lacks shard {shard.name}")
-            data = shard.read_bytes()
-            digest.update(data)
-            total += len(data)
-            for name in load_file(str(shard)).keys():
-                weight_map[name] = shard.name
+        # Every training rank wrote its optimiser state before this point (the train stage's gate).
+        # Their files are hashed on a second thread while the shards are (hashlib lets go of the
+        # GIL): together they are ~3x the weights' bytes.
+        optim = sorted((path / _OPTIM_DIR).glob("rank*.safetensors"))
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            optim_futures = {p.stem: pool.submit(_file_sha256, p) for p in optim}
+            weight_map, total, digest = {}, 0, hashlib.sha256()
+            for i in range(count):
+                shard = path / _shard_name(i, count)
+                if not shard.exists():
+                    raise PolicyStoreError(f"policy v{version} lacks shard {shard.name}")
+                data = shard.read_bytes()
+                digest.update(data)
+                total += len(data)
+                with safe_open(str(shard), "pt") as f:  # the header's names, no tensor read
+                    for name in f.keys():
+                        weight_map[name] = shard.name
+            optim_sha = {stem: f.result() for stem, f in optim_futures.items()}
         _atomic_write_text(path / "model.safetensors.index.json",
                            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
         _atomic_write_text(path / "config.json", json.dumps(hf_config, indent=1))
@@ -128,9 +147,6 @@ class PolicyStore:
             if (Path(source) / name).exists():
                 _atomic_write_text(path / name, (Path(source) / name).read_text())
         ref = PolicyRef(str(path), version, digest.hexdigest(), total)
-        # Every training rank wrote its optimiser state before this point (the train stage's gate).
-        optim = sorted((path / _OPTIM_DIR).glob("rank*.safetensors"))
-        optim_sha = {p.stem: hashlib.sha256(p.read_bytes()).hexdigest() for p in optim}
         _atomic_write_text(path / _MANIFEST, json.dumps({"version": version, "sha256": ref.sha256,
                                                          "num_bytes": total, "optimizer_ranks": len(optim),
                                                          "optimizer_sha256": optim_sha, **(extra or {})}))
@@ -190,7 +206,7 @@ class PolicyStore:
                                    f"(changed or truncated); delete the run folder or start with --new")
         for stem, sha in meta.get("optimizer_sha256", {}).items():
             f = path / _OPTIM_DIR / f"{stem}.safetensors"
-            if not f.exists() or hashlib.sha256(f.read_bytes()).hexdigest() != sha:
+            if not f.exists() or _file_sha256(f) != sha:
                 raise PolicyStoreError(f"policy v{version}: optimiser state {f} is missing or does not match "
                                        "the manifest's sha256; delete the run folder or start with --new")
         return PolicyRef(str(path), version, meta["sha256"], meta["num_bytes"])

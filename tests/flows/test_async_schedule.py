@@ -123,3 +123,27 @@ def test_planner_by_hand():
     assert async_step_seconds(busy, 1) == 6.5 and async_step_seconds(busy, 0) == 9
     with pytest.raises(ValueError, match="cores"):
         StageSeconds(rollout=4, reward=0.5, reference=1, advantage=0.5, train=3, publish=0.5, host_cpu=13)
+
+
+def test_host_cpu_counts_this_process_and_the_processes_it_started():
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from flows.loop import _HostCPU
+
+    meter = _HostCPU()
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\ntime.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", burn])
+    try:
+        deadline = time.time() + 30
+        while sum(psutil.Process(child.pid).cpu_times()[:2]) < 0.4:  # the child has burnt its 0.4 CPU-s
+            assert time.time() < deadline
+            time.sleep(0.05)
+        assert meter.take() >= 0.4  # the child's CPU, counted from its start
+        assert meter.take() < 0.2  # the next take: only what was spent since
+    finally:
+        child.kill()
+        child.wait()

@@ -40,6 +40,8 @@ def test_summary_json(finished_run):
     assert data["mlflow_run_id"] == summary.mlflow_run_id
     assert set(data["stage_seconds"]) == {"rollout", "reward", "reference", "advantage", "train", "publish"}
     assert data["wall_seconds"] > 0
+    for m in data["metrics"]:  # the planner's host terms (planner/async_steptime.py)
+        assert 0 < m["host_cpu_seconds"] and 0 <= m["train_handoff_seconds"] < m["iteration_seconds"]
 
 
 def test_rollout_store_holds_complete_group_aligned_steps(finished_run):

@@ -135,7 +135,7 @@ def _median_after_first(steps: list[dict[str, float]], key: str) -> float:
 
 _FLOW_KEYS = ("step_window_seconds", "iteration_seconds", "rollout_seconds", "rollout_compute_seconds", "reward_seconds",
               "reference_seconds", "reference_compute_seconds", "advantage_seconds", "train_seconds",
-              "train_step_seconds", "publish_seconds", "step_create_seconds", "submit_seconds",
+              "train_step_seconds", "publish_seconds", "host_cpu_seconds",
               "train_token_slots_per_real_token", "train_passes",
               "completion_length_mean")
 _BASE_KEYS = ("iteration_seconds", "rollout_seconds", "reward_advantage_seconds", "reference_seconds",

@@ -8,8 +8,9 @@ submission. While a loop runs, only that thread calls MLflow.
 The thread runs at the lowest CPU priority (Linux: niceness is per thread). On a host whose cores
 the workers fill, bookkeeping beside a pipeline pass is not free even when it overlaps: each time
 a rank waits for a microbatch, and wakes to find its core taken, the other ranks wait with it. Tiny
-config on 2 cores, the same run twice at each setting: the rollout engine's generate 0.060 / 0.072 s
-at niceness 19 against 0.125 / 0.100 s at 0, step window 0.50 / 0.52 s against 0.63 / 0.52 s.
+config on 2 cores, 25 iterations twice at each setting (the niceness changed here for the
+comparison): the rollout engine's generate 0.060 / 0.072 s at niceness 19 against 0.125 / 0.100 s
+at 0, step window 0.50 / 0.52 s against 0.63 / 0.52 s.
 """
 
 from __future__ import annotations

@@ -56,13 +56,10 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _file_sha256(path: Path, chunk_bytes: int = 16 << 20) -> str:
+def _file_sha256(path: Path) -> str:
     """sha256 of a file, read in chunks (no copy of the whole file in memory)."""
-    digest = hashlib.sha256()
     with open(path, "rb") as fh:
-        while chunk := fh.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 class PolicyStore:

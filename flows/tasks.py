@@ -203,7 +203,7 @@ def _rollout_model(cfg: GRPOConfig, engine_key: str, policy: PolicyRef) -> tuple
         model, codec = held[1], held[2]
         load_hf_state(model, received.tensors)
     else:
-        hf_config, tokenizer_json, tensors = load_model_folder(policy.path, names=set() if received else None)
+        hf_config, _, tensors = load_model_folder(policy.path, names=set() if received else None)
         model = build_stage(DecoderConfig.from_hf(hf_config))
         load_hf_state(model, received.tensors if received else tensors)
         model.eval()

@@ -47,8 +47,8 @@ log = logging.getLogger(__name__)
 # Worker-process registries.
 _SENDERS: dict[str, WeightSender | None] = {}  # run -> this rank's sender (None: its channel failed)
 _STREAMS: dict[str, VersionStream] = {}  # run -> this engine's receiving thread
-# Driver: run -> (channel name, engine name -> address) of the open channel.
-_OPEN: dict[str, tuple[str, dict[str, str]]] = {}
+# Driver: run -> engine name -> address of the engines its channel was last opened with.
+_OPEN: dict[str, dict[str, str]] = {}
 _COUNTER = itertools.count()
 
 
@@ -68,21 +68,21 @@ def open_channel(client: Client, cfg: GRPOConfig, pools: Pools, policy: PolicyRe
     if len(engines) < len(pools.rollout):
         log.warning("weight sync: engine %s is not up; versions load from disk until the channel reopens",
                     ", ".join(n for n in pools.rollout if n not in now))
-        _OPEN[cfg.run_name] = ("", engines)
+        _OPEN[cfg.run_name] = engines
         return
     sync = WeightSyncConfig(f"tcp://{pools.train_host}:{port}", num_sources=cfg.train.pipeline_model_parallel_size,
                             num_engines=len(engines), timeout_s=c.weight_sync_timeout_s,
                             content_hash=c.weight_sync_content_hash,
                             channel=f"{cfg.run_name}-{port}-{next(_COUNTER)}")
     keep = cfg.rollout.max_staleness + 2  # versions ahead of the one in use: at most s + 1 in flight
-    _OPEN[cfg.run_name] = (sync.channel, engines)
+    _OPEN[cfg.run_name] = engines
     try:
         for i, address in enumerate(engines.values()):
             client.run(start_receiver, cfg.run_name, sync, i, policy.path, keep, workers=[address])
     except Exception as exc:  # an engine died just now
         log.warning("weight sync: an engine did not start its receiver (%s); versions load from disk until the "
                     "channel reopens", exc)
-        close_channel(client, cfg, forget=False)
+        close_channel(client, cfg)
         return
     futures = [client.submit(connect_sender, cfg, sync, workers=[w], resources={"train": 1}, pure=False,
                              key=f"weight-sync-connect-{r}-{sync.channel}")
@@ -97,7 +97,7 @@ def open_channel(client: Client, cfg: GRPOConfig, pools: Pools, policy: PolicyRe
                            f"{limit_s:.0f} s") from exc
     errors = [f.result() for f in futures if f.result()]
     if errors:  # no half-open channel: every side closes, the run goes on by disk
-        close_channel(client, cfg, forget=False)
+        close_channel(client, cfg)
     mismatch = next((e for e in errors if e.startswith(SignatureMismatchError.__name__)), None)
     if mismatch:
         raise SignatureMismatchError(mismatch.split(": ", 1)[1])
@@ -111,7 +111,7 @@ def reopen_if_engines_moved(client: Client, cfg: GRPOConfig, pools: Pools, polic
     since it opened and every engine is up now. Call it only when no step is in flight."""
     if cfg.cluster.weight_sync != "memory" or cfg.run_name not in _OPEN:
         return
-    _, engines = _OPEN[cfg.run_name]
+    engines = _OPEN[cfg.run_name]
     now = worker_addresses(client)
     if all(n in now for n in pools.rollout) and any(engines.get(n) != now[n] for n in pools.rollout):
         log.warning("weight sync: engine worker(s) %s changed; reopening the channel",
@@ -119,11 +119,9 @@ def reopen_if_engines_moved(client: Client, cfg: GRPOConfig, pools: Pools, polic
         open_channel(client, cfg, pools, policy)
 
 
-def close_channel(client: Client, cfg: GRPOConfig, forget: bool = True) -> None:
-    """Close the run's channel on every worker; ``forget=False`` keeps the engines it was opened
-    with, so a replaced engine still reopens it (:func:`reopen_if_engines_moved`)."""
-    if forget:
-        _OPEN.pop(cfg.run_name, None)
+def close_channel(client: Client, cfg: GRPOConfig) -> None:
+    """Close the run's channel on every worker; the engines it was opened with are kept, so a
+    replaced engine still reopens it (:func:`reopen_if_engines_moved`)."""
     try:
         client.run(close_endpoints, cfg.run_name)
     except Exception as exc:  # a worker that is gone holds no endpoint

@@ -228,9 +228,11 @@ def load_model_folder(path: str | Path, names: set[str] | None = None) -> tuple[
                  else ["model.safetensors"])
         tensors: dict[str, torch.Tensor] = {}
         for f in files:
-            for k, v in load_file(str(path / f)).items():
-                if names is None or k in names:
-                    tensors[k] = v
+            if names is None:
+                tensors.update(load_file(str(path / f)))
+                continue
+            with safe_open(str(path / f), "pt") as fh:  # only the named tensors are read
+                tensors.update({k: fh.get_tensor(k) for k in fh.keys() if k in names})
     except Exception as exc:
         raise PolicyStoreError(f"cannot load the model folder {path}: {exc}") from exc
     return hf_config, tokenizer_json, tensors

@@ -114,13 +114,6 @@ class RewardProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def score(self, prompt: str, completion: str, fields: dict[str, Any], timeout_s: float) -> float:
-        """Sum of the functions for one sample; SampleFailed (and the child killed if it hangs) otherwise."""
-        value = self.score_many([(prompt, completion, fields)], timeout_s)[0]
-        if isinstance(value, SampleFailed):
-            raise value
-        return value
-
     def score_many(self, samples: list[tuple[str, str, dict[str, Any]]], timeout_s: float
                    ) -> list[float | SampleFailed]:
         """Scores of ``samples`` (prompt, completion, fields), sent in one message and answered one

@@ -5,7 +5,6 @@ channel fails no call waits for a version that cannot come; at most ``keep`` ver
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -17,14 +16,9 @@ from stages.policy import build_stage, hf_state, load_hf_state
 from stages.sync import WeightReceiver, WeightSender, WeightSyncConfig, state_digest
 from stages.sync.plan import tensor_specs
 from stages.sync.stream import VersionStream
+from stages.train.rendezvous import free_port
 
 TIMEOUT_S = 5.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -38,7 +32,7 @@ def channel():
         for stage in stages:
             load_hf_state(stage, full)
             shards[v].append(hf_state(stage))
-    sync = WeightSyncConfig(f"tcp://127.0.0.1:{_free_port()}", num_sources=2, num_engines=1, bucket_bytes=4096,
+    sync = WeightSyncConfig(f"tcp://127.0.0.1:{free_port()}", num_sources=2, num_engines=1, bucket_bytes=4096,
                             timeout_s=TIMEOUT_S)
     specs = tensor_specs(versions[1])
     stream = VersionStream(lambda: WeightReceiver.connect(sync, 0, specs), keep=2)

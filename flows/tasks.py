@@ -201,6 +201,10 @@ def _rollout_model(cfg: GRPOConfig, engine_key: str, policy: PolicyRef) -> tuple
     received, why = weight_sync.received_version(cfg, policy.version)
     if received is not None and held is not None:  # into the model the engine holds
         model, codec = held[1], held[2]
+        # Half-copied weights belong to no version: a failed load leaves the engine holding none,
+        # so the next task loads its version whole instead of using these.
+        _ROLLOUT_MODELS.pop(engine_key, None)
+        _ROLLOUT_VERSIONS.pop(engine_key, None)
         load_hf_state(model, received.tensors)
     else:
         hf_config, _, tensors = load_model_folder(policy.path, names=set() if received else None)
@@ -299,6 +303,15 @@ def _read_sequences(store: RolloutStore, step: int, proximal: bool = False) -> d
                       "advantage", "reward_failed", *(("prox_logp",) if proximal else ()))
 
 
+def _forward_batch(cfg: GRPOConfig, store: RolloutStore, step: int, pad_id: int):
+    """The step's batch for a forward-only pass: only the token arrays are read; the loss fields
+    of the target (advantages, log-probs) are zeros, as nothing but next_ids is used."""
+    a = store.read(step, "prompt_ids", "prompt_len", "tokens", "length")
+    zeros = np.zeros(a["tokens"].shape, np.float32)
+    a.update(behav_logp=zeros, ref_logp=zeros, advantage=np.zeros(len(a["length"]), np.float32))
+    return build_global_batch(a, "token-mean", pad_id, cfg.microbatch_layout)
+
+
 def reference_task(cfg: GRPOConfig, ref: StepRef, *deps) -> dict[str, float]:
     """Forward-only pipeline pass of the frozen reference on every training rank; the rank holding
     the gathered log-probs (last stage, dp = tp = 0) writes ref_logp."""
@@ -307,8 +320,7 @@ def reference_task(cfg: GRPOConfig, ref: StepRef, *deps) -> dict[str, float]:
     engine = _rank(cfg.run_name)
     t0 = time.perf_counter()
     store = RolloutStore(ref.root)
-    a = _read_sequences(store, ref.step)
-    batch = build_global_batch(a, "token-mean", engine.setup.model.pad_token_id or 0, cfg.microbatch_layout)
+    batch = _forward_batch(cfg, store, ref.step, engine.setup.model.pad_token_id or 0)
     logp = engine.batch_logp(batch, "reference_logp")  # every pass, as [N, max_new] in store order
     if logp is not None:
         store.write(ref.step, "ref_logp", logp)
@@ -322,8 +334,7 @@ def proximal_task(cfg: GRPOConfig, ref: StepRef, *deps) -> dict[str, float]:
     _threads(cfg, "train")
     engine = _rank(cfg.run_name)
     store = RolloutStore(ref.root)
-    a = _read_sequences(store, ref.step)
-    batch = build_global_batch(a, "token-mean", engine.setup.model.pad_token_id or 0, cfg.microbatch_layout)
+    batch = _forward_batch(cfg, store, ref.step, engine.setup.model.pad_token_id or 0)
     logp = engine.batch_logp(batch, "proximal_logp")
     if logp is not None:
         store.write(ref.step, "prox_logp", logp)

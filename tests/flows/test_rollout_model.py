@@ -1,0 +1,56 @@
+"""The rollout engine's held model (flows/tasks.py ``_rollout_model``): a version loaded in place
+from memory that fails half-way leaves the engine holding no version, so the next task loads its
+version whole instead of generating from half-copied weights."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import make_decoder_config, make_model
+from flows import tasks, weight_sync
+from flows.config import load_config
+from stages.policy import hf_state
+from stages.tasks.addition import make_tokenizer_json
+from storage.policies import PolicyStore
+
+
+@pytest.fixture
+def engine(tmp_path, monkeypatch):
+    cfg = load_config("configs/tiny.yaml", [f"runs_dir={tmp_path}", "cluster.weight_sync=memory"])
+    model_cfg = make_decoder_config()
+    store = PolicyStore(tmp_path / "policy")
+    states = {v: hf_state(make_model(model_cfg, seed=v)) for v in (1, 2)}
+    refs = {v: store.save_policy(v, model_cfg.to_hf(), make_tokenizer_json(), states[v]) for v in (1, 2)}
+    monkeypatch.setattr(weight_sync, "received_version", lambda cfg, version: (None, "test: from disk"))
+    key = "engine-under-test"
+    yield cfg, key, states, refs, monkeypatch
+    tasks._ROLLOUT_MODELS.pop(key, None)
+    tasks._ROLLOUT_VERSIONS.pop(key, None)
+
+
+def test_a_failed_in_place_load_leaves_no_version_held(engine):
+    cfg, key, states, refs, monkeypatch = engine
+    model, _, load = tasks._rollout_model(cfg, key, refs[1])
+    assert load["weights_from"] == "disk" and tasks._ROLLOUT_VERSIONS[key] == 1
+
+    # v2 arrives in memory, but one tensor has the wrong shape: the copy stops part-way.
+    broken = dict(states[2])
+    name = sorted(broken)[-1]
+    broken[name] = torch.zeros(3, 3)
+    received = SimpleNamespace(tensors=broken)
+    monkeypatch.setattr(weight_sync, "received_version", lambda cfg, version: (received, ""))
+    with pytest.raises(Exception):
+        tasks._rollout_model(cfg, key, refs[2])
+    assert key not in tasks._ROLLOUT_MODELS and key not in tasks._ROLLOUT_VERSIONS
+    with pytest.raises(RuntimeError, match="holds policy vNone"):
+        tasks._check_engine_version(key, 1)
+
+    # The next task for v1 loads it whole from disk: the half-copied model is not reused.
+    monkeypatch.setattr(weight_sync, "received_version", lambda cfg, version: (None, "test: from disk"))
+    again, _, load = tasks._rollout_model(cfg, key, refs[1])
+    assert load["weights_from"] == "disk" and again is not model
+    got = hf_state(again)
+    assert all(torch.equal(got[k], states[1][k]) for k in states[1])

@@ -206,6 +206,9 @@ class GRPOConfig:
                                       virtual=t.virtual_pipeline_model_parallel_size, schedule=t.schedule,
                                       num_microbatches=self.num_microbatches)
         _require(error is None, error or "")
+        _require(t.reference_parallel == "pipeline" or tp == 1,
+                 f"train.reference_parallel=data holds the whole reference on every rank; with "
+                 f"train.tensor_model_parallel_size={tp} set train.reference_parallel=pipeline")
 
     @property
     def num_samples(self) -> int:

@@ -162,7 +162,9 @@ def init_train_rank(cfg: GRPOConfig, rank: int, init_method: str, policy: Policy
     names = rank_tensor_names(model_cfg, setup.layout, setup.layout.coord(rank).pp)
     _, _, tensors = load_model_folder(policy.path, names=names)
     ref_tensors = None
-    if reference is not None and reference.path != policy.path:
+    if cfg.train.reference_parallel == "data":  # the whole reference on every rank
+        _, _, ref_tensors = load_model_folder((reference or policy).path)
+    elif reference is not None and reference.path != policy.path:
         _, _, ref_tensors = load_model_folder(reference.path, names=names)
     engine = TrainRank(setup, rank, init_method, tensors, reference_tensors=ref_tensors)
     _TRAIN_RANKS[cfg.run_name] = engine

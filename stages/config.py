@@ -46,6 +46,7 @@ def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
 
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 ESTIMATORS = ("grpo", "dr_grpo")
+REFERENCE_PARALLEL = ("pipeline", "data")
 
 
 @dataclass(frozen=True)
@@ -240,10 +241,18 @@ class TrainConfig:
     timeout_s: float = 120.0
     """Limit on every distributed wait (process-group init, send/recv, collectives); a failed or stuck
     rank ends the training step on every rank within it."""
+    reference_parallel: str = "pipeline"
+    """How the training ranks run the frozen reference's forward pass. pipeline: split into the
+    pipeline's stages like the policy (each rank holds its stages' share; a pass pays the
+    pipeline's fill, drain and a hand-off per microbatch). data: every rank holds the whole
+    reference and runs its share of the microbatches on its own, then one reduction gathers the
+    log-probs (the same values, bit for bit); for models small enough to hold twice per rank,
+    where it is faster (docs/performance.md). Needs tensor_model_parallel_size 1."""
 
     def __post_init__(self) -> None:
         _one_of("train.schedule", self.schedule, SCHEDULES)
         _one_of("train.loss_aggregation", self.loss_aggregation, LOSS_AGGREGATIONS)
+        _one_of("train.reference_parallel", self.reference_parallel, REFERENCE_PARALLEL)
         for key in ("pipeline_model_parallel_size", "tensor_model_parallel_size", "data_parallel_size",
                     "virtual_pipeline_model_parallel_size", "micro_batch_size"):
             _require(getattr(self, key) >= 1, f"train.{key}={getattr(self, key)} must be >= 1")

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from stages.config import REFERENCE_PARALLEL
 from stages.policy import DecoderConfig, build_stage, hf_named_parameters, load_hf_state, stage_hf_names
 from stages.train.batch import BucketedBatch
 from stages.train.faults import (InjectedFault, InputMismatchError, StepGuard, TrainInputError, TrainStepError,
@@ -78,12 +79,21 @@ class TrainSetup:
     grad_bucket_bytes: int = DEFAULT_BUCKET_BYTES
     faults: tuple[InjectedFault, ...] = ()
     """Test-only fault injection (stages/train/faults.py)."""
+    reference_parallel: str = "pipeline"
+    """How the ranks run the frozen reference (train.reference_parallel): split into the pipeline's
+    stages like the policy, or whole on every rank, each taking a share of the microbatches."""
 
     def __post_init__(self) -> None:
         error = schedule_error(self.schedule, self.pipeline_parallel_size, self.num_microbatches,
                                self.virtual_stages, self.model.num_hidden_layers)
         if error:
             raise ValueError(error)
+        if self.reference_parallel not in REFERENCE_PARALLEL:
+            raise ValueError(f"reference_parallel={self.reference_parallel!r} is not one of "
+                             f"{', '.join(REFERENCE_PARALLEL)}")
+        if self.reference_parallel == "data" and self.tensor_parallel_size > 1:
+            raise ValueError(f"reference_parallel=data holds the whole reference on every rank; with "
+                             f"tensor_parallel_size={self.tensor_parallel_size} use pipeline")
         _ = self.layout  # validates the sizes
 
     @property
@@ -119,17 +129,25 @@ class TrainRank:
         self.modules = [self._build(s, tensors) for s in self.stage_ids]
         # The frozen reference is the run's (policy v0), not the version a resumed run starts from.
         ref_tensors = tensors if reference_tensors is None else reference_tensors
-        self.reference = [self._build(s, ref_tensors, frozen=True) for s in self.stage_ids]
+        # reference_parallel=data: the whole frozen reference on this rank, a share of each
+        # forward-only pass's microbatches; pipeline: its stages beside the policy's.
+        self.reference_whole: Optional[LogpStage] = None
+        self.reference: list[nn.Module] = []
+        if setup.reference_parallel == "data":
+            self.reference_whole = LogpStage(self._whole(ref_tensors), setup.loss.temperature,
+                                             setup.logprob_chunk_tokens)
+        else:
+            self.reference = [self._build(s, ref_tensors, frozen=True) for s in self.stage_ids]
         self.timeline, self.forward_timeline = RankTimeline(), RankTimeline()
         self._stats: list[LossStats] = []
         self.stages = [self._stage(m, s, self.timeline) for m, s in zip(self.modules, self.stage_ids)]
         self.schedule = build_train_schedule(setup.schedule, self.stages, setup.num_microbatches, self._loss_fn())
-        self.ref_schedule = self._forward_only(self.reference, setup.num_microbatches)
         self.prox_schedule = self._forward_only(self.modules, setup.num_microbatches)
         # pass key -> schedule: the run's fixed layout under "train" / "reference_logp" / ...,
         # each length bucket's shape under its own key (built at first use, the same on every rank)
-        self._schedules: dict[str, object] = {"train": self.schedule, "reference_logp": self.ref_schedule,
-                                              "proximal_logp": self.prox_schedule}
+        self._schedules: dict[str, object] = {"train": self.schedule, "proximal_logp": self.prox_schedule}
+        if self.reference:
+            self._schedules["reference_logp"] = self._forward_only(self.reference, setup.num_microbatches)
         self.params = unique_parameters(self.modules)
         self.head_local = head_local_parameters(self.modules)  # TP sums their per-head gradient shares
         self.optimizer = torch.optim.AdamW(self.params, lr=setup.lr, weight_decay=setup.weight_decay)
@@ -148,6 +166,17 @@ class TrainRank:
         if self.groups.tp_mesh is not None:
             apply_tensor_parallel(module, self.groups.tp_mesh)
         return module
+
+    def _whole(self, tensors: dict[str, torch.Tensor]) -> nn.Module:
+        """The whole model, frozen, from HF-named ``tensors`` (every layer's)."""
+        module = build_stage(self.setup.model, return_hidden=self.setup.logprob_chunk_tokens is not None)
+        names = stage_hf_names(module)
+        missing = sorted(set(names) - set(tensors))
+        if missing:
+            raise ValueError(f"reference_parallel=data holds the whole reference on every rank; {len(missing)} "
+                             f"of its tensors were not given, e.g. {missing[0]}")
+        load_hf_state(module, {k: tensors[k] for k in names})
+        return module.requires_grad_(False).eval()
 
     def _stage(self, module: nn.Module, index: int, timeline: RankTimeline) -> TimedStage:
         return TimedStage(module, index, self.layout.num_stages, _CPU, group=self.groups.pp, timeline=timeline,
@@ -378,6 +407,8 @@ class TrainRank:
     def _forward_logp(self, what: str, passes: list) -> Optional[list[torch.Tensor]]:
         """Forward-only passes (global microbatches or None, input_ids, next_ids, stage kwargs) in
         order; their outputs on :attr:`is_output_rank`, None elsewhere."""
+        if what == "reference_logp" and self.reference_whole is not None:
+            return self._shared_logp(what, passes)
         call, guarded = self._begin(what)
         with guarded:
             inputs = [(mb, {"input_ids": ids, "next_ids": nxt.long(), **kw}) for mb, ids, nxt, kw in passes]
@@ -405,6 +436,50 @@ class TrainRank:
                     gathered.append(torch.cat(parts))
                 outs = gathered
             return outs if self.is_output_rank else None
+
+    def _shared_logp(self, what: str, passes: list) -> Optional[list[torch.Tensor]]:
+        """reference_parallel=data: every rank runs the whole reference over its share of the
+        microbatches (the k-th microbatch of the call, over all passes, goes to rank k mod world),
+        then one SUM of the zero-filled outputs onto the output rank. Each value comes from one
+        rank and x + 0 = x, so the sum is exact; a microbatch holds the rows the pipeline's
+        microbatch holds, so each row is computed as there."""
+        call, guarded = self._begin(what)
+        with guarded:
+            world, D = self.layout.world_size, self.layout.dp
+            inputs = [(self.setup.num_microbatches * D if mb is None else mb,
+                       {"input_ids": ids, "next_ids": nxt.long(), **kw}) for mb, ids, nxt, kw in passes]
+            self.guard.check_inputs(call, passes_signature(inputs)[0])
+            t0 = time.time_ns()
+            outs, k, busy_ns = [], 0, 0
+            for m, full in inputs:
+                rows = int(full["input_ids"].shape[0])
+                if rows % m:
+                    raise TrainInputError(f"{what}: a pass of {rows} rows does not split into {m} microbatches")
+                size = rows // m
+                out = torch.zeros(full["input_ids"].shape, dtype=torch.float32)
+                for j in range(m):
+                    if (k + j) % world == self.rank:
+                        c0 = time.time_ns()
+                        part = {key: v[j * size:(j + 1) * size] for key, v in full.items()}
+                        out[j * size:(j + 1) * size] = self.reference_whole(part.pop("input_ids"), **part)
+                        busy_ns += time.time_ns() - c0
+                k += m
+                outs.append(out)
+            flat = torch.cat([o.reshape(-1) for o in outs])
+            dist.reduce(flat, dst=self._output_rank_id(), op=dist.ReduceOp.SUM)
+            t1 = time.time_ns()
+            self.last_forward = StepResult(self.rank, {"bubble_fraction": 1 - busy_ns / max(t1 - t0, 1),
+                                                       "step_seconds": (t1 - t0) / 1e9}, [], (t0, t1))
+            if not self.is_output_rank:
+                return None
+            return [piece.reshape(o.shape) for piece, o in zip(torch.split(flat, [o.numel() for o in outs]), outs)]
+
+    def _output_rank_id(self) -> int:
+        """Global rank of :attr:`is_output_rank`: the last stage's holder at dp = tp = 0."""
+        last = self.layout.num_stages - 1
+        return next(r for r in range(self.layout.world_size)
+                    if last in self.layout.stages_of(self.layout.coord(r).pp)
+                    and self.layout.coord(r).dp == 0 and self.layout.coord(r).tp == 0)
 
     # -- weights --------------------------------------------------------------------------------------
     def _hf_tensors(self, grads: bool) -> dict[str, torch.Tensor]:

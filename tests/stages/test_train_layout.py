@@ -71,6 +71,8 @@ def test_layers_must_cover_every_stage():
     (["train.schedule=dualpipev", "train.virtual_pipeline_model_parallel_size=2", "train.micro_batch_size=64"],
      "train.micro_batch_size"),
     (["train.virtual_pipeline_model_parallel_size=0"], "train.virtual_pipeline_model_parallel_size=0"),
+    (["train.tensor_model_parallel_size=2"], "train.reference_parallel=pipeline"),  # the tiny config's data
+    (["train.reference_parallel=replicated"], "train.reference_parallel='replicated' is not one of pipeline, data"),
 ])
 def test_config_rejects_a_layout_in_one_line(overrides, key):
     with pytest.raises(ConfigError) as info:
@@ -87,7 +89,8 @@ def test_tiny_config_runs_every_schedule(schedule):
 
 
 def test_3d_layout_config():
-    cfg = load_config("configs/tiny.yaml", [*SMALL, "train.data_parallel_size=2", "train.tensor_model_parallel_size=2"])
+    cfg = load_config("configs/tiny.yaml", [*SMALL, "train.data_parallel_size=2", "train.tensor_model_parallel_size=2",
+                                            "train.reference_parallel=pipeline"])
     assert cfg.train.world_size == 8 and cfg.num_global_microbatches == 4 and cfg.num_microbatches == 2
 
 

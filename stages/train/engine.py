@@ -442,7 +442,8 @@ class TrainRank:
         microbatches (the k-th microbatch of the call, over all passes, goes to rank k mod world),
         then one SUM of the zero-filled outputs onto the output rank. Each value comes from one
         rank and x + 0 = x, so the sum is exact; a microbatch holds the rows the pipeline's
-        microbatch holds, so each row is computed as there."""
+        microbatch holds, so each row is computed as there. The test-only faults of
+        stages/train/faults.py fire in pipelined passes only."""
         call, guarded = self._begin(what)
         with guarded:
             world, D = self.layout.world_size, self.layout.dp

@@ -28,8 +28,9 @@ def format_summary(plan: Plan) -> str:
     sim = est.train_step.simulation
     lines = [f"plan: {plan.label}  ({cfg.model_shape.name}, {cfg.cluster.num_gpus} GPUs, cap "
              f"{gib(cfg.cluster.memory_cap_bytes)} per GPU)", ""]
-    lines.append(_table(["rank", "weights", "grads", "optimiser", "activations", "in flight", "logits", "total"],
-                        [[m.rank, gib(m.weights_bytes), gib(m.grads_bytes), gib(m.optimizer_bytes),
+    lines.append(_table(["rank", "weights", "reference", "grads", "optimiser", "activations", "in flight", "logits",
+                         "total"],
+                        [[m.rank, gib(m.weights_bytes), gib(m.reference_bytes), gib(m.grads_bytes), gib(m.optimizer_bytes),
                           gib(m.activation_bytes), f"{m.peak_in_flight:g}", gib(m.logits_bytes), gib(m.total_bytes)]
                          for m in est.memory]))
     r = est.rollout

@@ -75,11 +75,12 @@ def layout_label(cfg: PlanConfig) -> str:
 
 
 def _resident_rollout_bytes(cfg: PlanConfig, memory: tuple[TrainingMemory, ...]) -> float:
-    """Training state left on a GPU while it generates (colocated only): weights, grads, maybe optimiser."""
+    """Training state left on a GPU while it generates (colocated only): weights, the frozen
+    reference, grads, maybe optimiser."""
     if cfg.rollout.placement == "decoupled":
         return 0.0
     keep_optimizer = not cfg.rollout.offload_optimizer
-    return max(m.weights_bytes + m.grads_bytes + (m.optimizer_bytes if keep_optimizer else 0.0) for m in memory)
+    return max(m.resident_bytes - (0.0 if keep_optimizer else m.optimizer_bytes) for m in memory)
 
 
 def estimate_step_for_staleness(est: LayoutEstimate, staleness: int) -> StepTimeEstimate:

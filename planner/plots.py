@@ -93,7 +93,8 @@ def _bubble(plan: Plan, path: Path) -> None:
 
 def _memory_training(plan: Plan, path: Path) -> None:
     mem = plan.layout.memory
-    parts = [("weights", "weights_bytes"), ("grads", "grads_bytes"), ("optimiser", "optimizer_bytes"),
+    parts = [("weights", "weights_bytes"), ("frozen reference", "reference_bytes"), ("grads", "grads_bytes"),
+             ("optimiser", "optimizer_bytes"),
              ("activation stash", "activation_bytes"), ("logits buffers", "logits_bytes"),
              ("working layer", "working_bytes")]
     fig, ax = plt.subplots(figsize=(9, 4.8))

@@ -136,7 +136,8 @@ def _placement_section(plan: Plan) -> str:
         f"*Colocated* gives every GPU both jobs in turn. Generation runs on inference engines of TP "
         f"{r.engine_tp} ({r.num_engines} engines, {r.groups_per_engine} prompt groups each) re-sharded from the "
         f"training weights in {secs(est.weight_sync.transfer_s)}. Training state that stays resident "
-        f"({gib(r.resident_bytes_per_gpu)} per GPU: weights and gradient buffers, optimiser state moved to host in "
+        f"({gib(r.resident_bytes_per_gpu)} per GPU: weights, the frozen reference and gradient buffers, optimiser state "
+        "moved to host in "
         f"{secs(est.offload_s)}) competes with the KV cache. The step is the sum of the phases. No GPU idles, but "
         "rollout and training never overlap.")
     if plan.best_decoupled_sync and plan.best_decoupled_async and plan.best_colocated:
@@ -160,7 +161,7 @@ def _inline_generation(plan: Plan) -> str:
     stage_weights = est.memory[0].weights_bytes
     bw = cfg.cluster.hbm_bandwidth_bytes_per_s * cfg.cluster.hbm_efficiency
     stage_step = stage_weights / bw
-    kv_room = cfg.cluster.memory_cap_bytes - max(m.weights_bytes + m.grads_bytes + m.optimizer_bytes for m in est.memory)
+    kv_room = cfg.cluster.memory_cap_bytes - max(m.resident_bytes for m in est.memory)
     return (
         f"*Generation inline on the PP engine* (the hint's case) is modelled as re-sharded TP engines, not as decode "
         f"through the {p}-stage training pipeline, for three reasons. (1) Decode is HBM-bound: a pipeline stage reads "
@@ -221,8 +222,7 @@ def _group_loss_section(plan: Plan) -> str:
     g_mb = max(1, cfg.workload.group_size // cfg.train.micro_batch_size)
     at_g = next((r for r in plan.group_barriers if r.microbatches == g_mb), plan.group_barriers[-1])
     base = plan.group_barriers[0]
-    static = max(m.weights_bytes + m.grads_bytes + m.optimizer_bytes + m.logits_bytes + m.working_bytes
-                 for m in plan.layout.memory[:1])
+    static = max(m.resident_bytes + m.logits_bytes + m.working_bytes for m in plan.layout.memory[:1])
     return "\n".join([
         "### 1.3 How 1F1B interacts with a group-level loss", "",
         "1F1B runs microbatch j's backward on the last stage right after its forward; that is what bounds stage i's "

@@ -45,7 +45,8 @@ def _per_layer_bytes(plan: Plan, recompute: str) -> int:
 def memory_section(plan: Plan) -> str:
     cfg, est = plan.config, plan.layout
     tr = cfg.train
-    rows = [[m.rank, gib(m.weights_bytes), gib(m.grads_bytes), gib(m.optimizer_bytes), gib(m.activation_bytes),
+    rows = [[m.rank, gib(m.weights_bytes), gib(m.reference_bytes), gib(m.grads_bytes), gib(m.optimizer_bytes),
+             gib(m.activation_bytes),
              f"{m.peak_in_flight:g}", gib(m.logits_bytes), gib(m.working_bytes), f"**{gib(m.total_bytes)}**"]
             for m in est.memory]
     first, last = est.memory[0], est.memory[-1]
@@ -59,10 +60,12 @@ def memory_section(plan: Plan) -> str:
     idle_per_rank = sim.bubble_fraction * est.train_step.pipeline_s
     text = [
         "## 3. Memory and the activation stash", "", "### 3.1 Training phase, per pipeline rank", "",
-        md_table(["rank", "weights", "grads", "optimiser", "activation stash", "in flight", "logits buffers",
-                  "working layer", "total"], rows), "",
+        md_table(["rank", "weights", "frozen reference", "grads", "optimiser", "activation stash", "in flight",
+                  "logits buffers", "working layer", "total"], rows), "",
         _img("memory_training", "training memory"), "",
-        f"Weights (bf16), fp32 main gradients and Adam state ({'sharded over DP' if tr.distributed_optimizer else 'replicated'}, "
+        f"Weights (bf16), the frozen reference's stages (bf16, placed like the policy's: the KL's reference pass "
+        f"runs on this layout), fp32 main gradients and Adam state "
+        f"({'sharded over DP' if tr.distributed_optimizer else 'replicated'}, "
         "12 B/parameter) are nearly equal on every rank; the embedding and lm_head add "
         f"{gib(first.weights_bytes - est.memory[len(est.memory) // 2].weights_bytes)} "
         f"of weights at the ends. The activation stash is what differs: under {tr.schedule} rank 0 keeps "

@@ -2,8 +2,9 @@
 and the inference engines' TP.
 
 Every candidate is built as a :class:`PlanConfig` (so it passes the same validation as a user config),
-screened by its static memory (weights + grads + optimiser, which no schedule can shrink), then
-evaluated with :func:`estimate_layout` (simulated schedule, extrapolated past 4*p*v microbatches).
+screened by its static memory (weights, the frozen reference, grads and optimiser, which no schedule
+can shrink), then evaluated with :func:`estimate_layout` (simulated schedule, extrapolated past
+4*p*v microbatches).
 Each rejected candidate keeps the one-line reason it fails.
 """
 
@@ -15,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from planner.config import PlanConfig, PlanConfigError
-from planner.constants import GIB
+from planner.constants import BF16_BYTES, GIB
 from planner.layout import (
     LayoutEstimate,
     estimate_layout,
@@ -143,7 +144,8 @@ def _build(cfg: PlanConfig, rollout, train: dict) -> tuple[str, PlanConfig | Pla
 
 
 def _static_memory_bytes(cfg: PlanConfig) -> float:
-    """Weights + grads + optimiser of the heaviest pipeline rank: a floor no schedule or recompute lowers."""
+    """Weights + the frozen reference's stages + grads + optimiser of the heaviest pipeline rank: a
+    floor no schedule or recompute lowers."""
     model, train = cfg.model_shape, cfg.train
     layout = estimate_stage_layout(model, train)
     worst = 0.0
@@ -154,7 +156,7 @@ def _static_memory_bytes(cfg: PlanConfig) -> float:
                                                single_stage=len(layout.layers) == 1,
                                                tp_rules=train.tensor_parallel_rules)
                      for s, r in enumerate(layout.ranks) if r == rank)
-        total = params * (2 + train.grad_dtype_bytes) + estimate_optimizer_bytes(
+        total = params * (2 * BF16_BYTES + train.grad_dtype_bytes) + estimate_optimizer_bytes(
             params, train.data_parallel_size, train.distributed_optimizer)
         worst = max(worst, total)
     return worst
@@ -195,7 +197,7 @@ def search_layouts(cfg: PlanConfig) -> SearchResult:
             continue
         static = _static_memory_bytes(candidate)
         if static > cap:
-            rejected.append(Rejection(label, f"weights + grads + optimiser alone need {static / GIB:.1f} GiB per GPU "
+            rejected.append(Rejection(label, f"weights + frozen reference + grads + optimiser alone need {static / GIB:.1f} GiB per GPU "
                                       f"> {cap / GIB:.1f} GiB cap; raise TP*PP or DP (distributed optimiser)",
                                       "static-memory", static - cap))
             continue

@@ -77,11 +77,19 @@ class TrainingMemory:
     working_bytes: float
     """one layer re-materialised in backward (recompute) / its gradient buffers"""
     peak_in_flight: float
+    reference_bytes: float = 0.0
+    """the frozen reference's stages on this rank, bf16 (the KL's reference pass runs on the training
+    layout, placed like the policy's stages)"""
 
     @property
     def total_bytes(self) -> float:
         return (self.weights_bytes + self.grads_bytes + self.optimizer_bytes + self.activation_bytes
-                + self.logits_bytes + self.working_bytes)
+                + self.logits_bytes + self.working_bytes + self.reference_bytes)
+
+    @property
+    def resident_bytes(self) -> float:
+        """What stays between steps: weights, the frozen reference, gradients and optimiser state."""
+        return self.weights_bytes + self.reference_bytes + self.grads_bytes + self.optimizer_bytes
 
 
 @dataclass(frozen=True)
@@ -244,6 +252,7 @@ def estimate_training_memory(cfg: PlanConfig, simulation: ScheduleSimulation | N
             logits_bytes=estimate_logits_buffer_bytes(model, tokens, vocab_tp) if holds_last else 0.0,
             working_bytes=float(one_layer),
             peak_in_flight=in_flight[rank],
+            reference_bytes=params * BF16_BYTES,
         ))
     return tuple(result)
 

@@ -49,10 +49,13 @@ def test_training_memory_stack_by_hand():
     ranks = estimate_training_memory(cfg)
     params0 = estimate_stage_parameters(cfg.model_shape, 8, has_embedding=True, has_head=False, tensor_parallel_size=2)
     assert ranks[0].weights_bytes == 2 * params0 and ranks[0].grads_bytes == 4 * params0
+    assert ranks[0].reference_bytes == 2 * params0  # the frozen reference's stage, bf16, beside the policy's
     assert ranks[0].optimizer_bytes == 12 * params0 / 2  # distributed optimiser over DP 2
     assert [r.peak_in_flight for r in ranks] == [4, 3, 2, 1]  # 1F1B, p = 4
     assert ranks[1].activation_bytes == pytest.approx(3 / 2 * ranks[2].activation_bytes)
     assert ranks[3].logits_bytes > 0 == ranks[0].logits_bytes
+    r = ranks[0]
+    assert r.total_bytes == (2 + 2 + 4 + 6) * params0 + r.activation_bytes + r.logits_bytes + r.working_bytes
 
 
 def test_decode_step_is_the_hbm_roofline_plus_tp_latency():

@@ -123,6 +123,10 @@ class TrainConfig:
     attention: Literal["flash", "flash-masked", "eager"] = "flash"
     """flash keeps no s x s scores for backward; flash-masked also keeps an explicit (b, 1, s, s) mask (packed
     documents); eager keeps the softmax output."""
+    reference_parallel: Literal["pipeline", "data"] = "pipeline"
+    """The frozen reference (the run's train.reference_parallel): pipeline, each rank holds its stages' copy
+    and the pass runs through the pipeline; data, each rank holds the whole model and runs its share of the
+    microbatches (TP 1 only)."""
     grad_dtype_bytes: int = 4
     """Bytes per gradient element (Megatron accumulates main grads in fp32)."""
     clip_eps_low: float = 0.2
@@ -150,6 +154,9 @@ class TrainConfig:
                     "virtual_pipeline_model_parallel_size", "micro_batch_size"):
             _require(getattr(self, key) >= 1, f"train.{key}", "must be >= 1")
         _require(self.grad_dtype_bytes in (2, 4), "plan.train.grad_dtype_bytes", "use 2 (bf16) or 4 (fp32)")
+        _require(self.reference_parallel in ("pipeline", "data"), "train.reference_parallel", "use pipeline or data")
+        _require(self.reference_parallel == "pipeline" or self.tensor_model_parallel_size == 1,
+                 "train.reference_parallel", "data holds the whole reference on every rank: needs TP 1")
         _require(0 < self.clip_eps_low < 1, "train.clip_eps_low", "must be in (0, 1)")
         _require(self.clip_eps_high > 0, "train.clip_eps_high", "must be positive")
 

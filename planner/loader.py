@@ -39,7 +39,7 @@ __all__ = ["plan_config_from_run", "plan_config_from_dict", "load_plan_config"]
 # train.* keys the planner takes from the run; plan.train holds only the planner's own knobs
 _RUN_TRAIN_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
                    "virtual_pipeline_model_parallel_size", "micro_batch_size", "schedule", "clip_eps_low",
-                   "clip_eps_high")
+                   "clip_eps_high", "reference_parallel")
 _PLAN_TOP_KEYS = ("activation_impl", "tp_rules")
 _PLAN_WORKLOAD_KEYS = ("prompt_len", "mean_gen_len")
 _PLAN_SECTIONS = {"cluster": ClusterConfig, "rollout": RolloutConfig, "search": SearchConfig}

@@ -168,7 +168,8 @@ def _inline_generation(plan: Plan) -> str:
         f"its {gib(stage_weights)} of weights in {stage_step * 1e3:.1f} ms per decode microbatch. A token needs all {p} "
         f"stages in sequence, {p * stage_step * 1e3:.1f} ms plus {p - 1} inter-node hops, so a full pipe needs {p} decode "
         "microbatches in flight. Ragged sequence ends then drain those microbatches unevenly, and the pipe bubbles. "
-        f"(2) The training state takes memory the KV cache needs: after weights, gradients and optimiser, rank 0 has "
+        f"(2) The training state takes memory the KV cache needs: after weights, the frozen reference, gradients and "
+        f"optimiser, rank 0 has "
         f"{gib(kv_room)} left under the cap. "
         "(3) 1F1B is a forward/backward schedule. Decode is forward-only with a data-dependent length, so a static "
         "1F1B order cannot place it. Generation needs its own schedule and its own parallel layout.")

@@ -63,8 +63,10 @@ def memory_section(plan: Plan) -> str:
         md_table(["rank", "weights", "frozen reference", "grads", "optimiser", "activation stash", "in flight",
                   "logits buffers", "working layer", "total"], rows), "",
         _img("memory_training", "training memory"), "",
-        f"Weights (bf16), the frozen reference's stages (bf16, placed like the policy's: the KL's reference pass "
-        f"runs on this layout), fp32 main gradients and Adam state "
+        f"Weights (bf16), the frozen reference (bf16, "
+        + ("the whole model on every rank: train.reference_parallel = data" if tr.reference_parallel == "data"
+           else "its copy of each rank's stages") + "; the KL's reference pass runs on this layout), fp32 main "
+        "gradients and Adam state "
         f"({'sharded over DP' if tr.distributed_optimizer else 'replicated'}, "
         "12 B/parameter) are nearly equal on every rank; the embedding and lm_head add "
         f"{gib(first.weights_bytes - est.memory[len(est.memory) // 2].weights_bytes)} "

@@ -27,7 +27,7 @@ from planner.memory import (
     estimate_optimizer_bytes,
     estimate_stage_parameters,
 )
-from planner.model import ModelShape, estimate_layer_parameter_count
+from planner.model import ModelShape, estimate_layer_parameter_count, estimate_parameter_count
 from stages.layout import layers_per_stage, stage_to_rank
 from planner.simulator import ActionDurations, ScheduleSimulation, simulate_peak_stash_bytes, simulate_schedule
 
@@ -78,8 +78,8 @@ class TrainingMemory:
     """one layer re-materialised in backward (recompute) / its gradient buffers"""
     peak_in_flight: float
     reference_bytes: float = 0.0
-    """the frozen reference's stages on this rank, bf16 (the KL's reference pass runs on the training
-    layout, placed like the policy's stages)"""
+    """the frozen reference on this rank, bf16 (the KL's reference pass runs on the training layout): its
+    copy of the rank's stages, or the whole model with train.reference_parallel = data"""
 
     @property
     def total_bytes(self) -> float:
@@ -252,7 +252,8 @@ def estimate_training_memory(cfg: PlanConfig, simulation: ScheduleSimulation | N
             logits_bytes=estimate_logits_buffer_bytes(model, tokens, vocab_tp) if holds_last else 0.0,
             working_bytes=float(one_layer),
             peak_in_flight=in_flight[rank],
-            reference_bytes=params * BF16_BYTES,
+            reference_bytes=(estimate_parameter_count(model) if train.reference_parallel == "data" else params)
+            * BF16_BYTES,
         ))
     return tuple(result)
 
@@ -325,14 +326,20 @@ def estimate_train_step(cfg: PlanConfig, durations: ActionDurations | None = Non
 
 
 def estimate_reference_pass_s(cfg: PlanConfig, durations: ActionDurations) -> float:
-    """Forward-only log-prob pass over all samples on the training layout (reference or proximal policy).
+    """Forward-only log-prob pass over all samples on the training layout (the reference; a proximal
+    pass is the same pipelined pass).
 
     A forward-only pipeline takes (m + p - 1) forward slots of the slowest rank plus p-1 transfers
-    (no backward, no stash: it can also fill 1F1B bubbles when run inside the training step).
+    (no backward, no stash: it can also fill 1F1B bubbles when run inside the training step). With
+    train.reference_parallel = data every rank runs ceil(m / p) microbatches through the whole model
+    (the sum of every stage's F) and one reduction gathers the log-probs (one transfer).
     """
     train = cfg.train
     p, v = train.pipeline_model_parallel_size, train.virtual_pipeline_model_parallel_size
     m = cfg.workload.num_samples // (train.data_parallel_size * train.micro_batch_size)
+    if train.reference_parallel == "data":
+        whole = sum(durations.duration(stage, "F") for stage in range(p * v))
+        return -(-m // p) * whole + durations.p2p_s * (1 if p * train.data_parallel_size > 1 else 0)
     per_rank = [0.0] * p
     for stage, rank in enumerate(stage_to_rank(train.schedule, p, v)):
         per_rank[rank] += durations.duration(stage, "F")

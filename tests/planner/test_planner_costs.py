@@ -115,3 +115,31 @@ def test_drift_model_hand_worked_and_monotone():
     assert fractions == sorted(fractions) and fractions[-1] > fractions[0]
     decoupled = estimate_staleness(5, sigma_step=0.05, sigma_mismatch=0.02, eps_low=0.2, eps_high=0.28, gen_len=100)
     assert decoupled.clipped_gradient_fraction_decoupled == 0.0  # one update per step: clip sees no drift
+
+
+def test_data_parallel_reference_holds_the_whole_model_and_shares_the_microbatches():
+    from planner.model import estimate_parameter_count
+    from planner.training import estimate_reference_pass_s
+
+    layout = {"tensor_model_parallel_size": 1, "data_parallel_size": 4}
+    piped = make_plan_config(train=layout)
+    shared = make_plan_config(train={**layout, "reference_parallel": "data"})
+    whole = estimate_parameter_count(shared.model_shape)
+    for a, b in zip(estimate_training_memory(piped), estimate_training_memory(shared)):
+        assert a.reference_bytes == a.weights_bytes and b.reference_bytes == 2 * whole
+        assert b.total_bytes - a.total_bytes == b.reference_bytes - a.reference_bytes
+    durations = estimate_action_durations(shared.model_shape, shared.cluster, shared.train, shared.seq_len)
+    p, m = 4, shared.workload.num_samples // (4 * shared.train.micro_batch_size)
+    forward = [durations.duration(s, "F") for s in range(p)]
+    assert estimate_reference_pass_s(shared, durations) == pytest.approx(-(-m // p) * sum(forward) + durations.p2p_s)
+    assert estimate_reference_pass_s(piped, durations) == pytest.approx((m + p - 1) * max(forward)
+                                                                        + (p - 1) * durations.p2p_s)
+    assert estimate_reference_pass_s(shared, durations) < estimate_reference_pass_s(piped, durations)
+
+
+def test_data_parallel_reference_needs_tp_1():
+    from planner.config import PlanConfigError
+    from stages.config import ConfigError
+
+    with pytest.raises((PlanConfigError, ConfigError), match="reference_parallel.data holds the whole reference"):
+        make_plan_config(train={"reference_parallel": "data"})

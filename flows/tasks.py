@@ -315,8 +315,9 @@ def _forward_batch(cfg: GRPOConfig, store: RolloutStore, step: int, pad_id: int)
 
 
 def reference_task(cfg: GRPOConfig, ref: StepRef, *deps) -> dict[str, float]:
-    """Forward-only pipeline pass of the frozen reference on every training rank; the rank holding
-    the gathered log-probs (last stage, dp = tp = 0) writes ref_logp."""
+    """Forward-only pass of the frozen reference on every training rank (pipelined, or each rank a
+    share of the microbatches with train.reference_parallel=data); the rank holding the gathered
+    log-probs (last stage, dp = tp = 0) writes ref_logp."""
     t_start = time.time()
     _threads(cfg, "train")
     engine = _rank(cfg.run_name)

@@ -246,8 +246,9 @@ class TrainConfig:
     pipeline's stages like the policy (each rank holds its stages' share; a pass pays the
     pipeline's fill, drain and a hand-off per microbatch). data: every rank holds the whole
     reference and runs its share of the microbatches on its own, then one reduction gathers the
-    log-probs (the same values, bit for bit); for models small enough to hold twice per rank,
-    where it is faster (docs/performance.md). Needs tensor_model_parallel_size 1."""
+    log-probs (the same values, bit for bit); for models small enough that every rank can hold the
+    whole reference beside its policy stages, where it is faster (docs/performance.md). Needs
+    tensor_model_parallel_size 1."""
 
     def __post_init__(self) -> None:
         _one_of("train.schedule", self.schedule, SCHEDULES)

@@ -107,7 +107,9 @@ class StepResult:
     """What one rank measured in one call: loss metrics (ranks holding the last stage), grad_norm
     (train_step), bubble_fraction, step_seconds, activation_bytes_per_microbatch_stage{i} and
     peak_inflight_stage{i}, train_passes and train_token_slots_per_real_token (training calls;
-    stages/train/buckets.py); its actions; the step window (time.time_ns)."""
+    stages/train/buckets.py); its actions; the step window (time.time_ns). A data-parallel
+    reference pass records no actions, and its bubble_fraction is the rank's time outside its own
+    microbatches (the input check and the wait in the reduction)."""
 
     rank: int
     metrics: dict[str, float]
@@ -442,8 +444,7 @@ class TrainRank:
         microbatches (the k-th microbatch of the call, over all passes, goes to rank k mod world),
         then one SUM of the zero-filled outputs onto the output rank. Each value comes from one
         rank and x + 0 = x, so the sum is exact; a microbatch holds the rows the pipeline's
-        microbatch holds, so each row is computed as there. The test-only faults of
-        stages/train/faults.py fire in pipelined passes only."""
+        microbatch holds, so each row is computed as there."""
         call, guarded = self._begin(what)
         with guarded:
             world, D = self.layout.world_size, self.layout.dp

@@ -58,7 +58,9 @@ class InputMismatchError(TrainInputError):
 class InjectedFault:
     """Test-only: on global rank ``rank``, during its ``step``-th pass (0-based, counting training
     steps and forward-only passes), ``raise`` in the forward of ``microbatch``, ``stall`` there for
-    ``seconds``, feed a ``shape`` one row short, or drop the last of a step's ``passes``."""
+    ``seconds``, feed a ``shape`` one row short, or drop the last of a step's ``passes``. They fire
+    in pipelined passes; a data-parallel reference pass (reference_parallel=data) counts in the
+    numbering but runs none of them."""
 
     rank: int
     kind: Literal["raise", "stall", "shape", "passes"]

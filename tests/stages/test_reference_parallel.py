@@ -9,12 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_decoder_config, make_model
+from conftest import make_decoder_config, make_model, make_rollout_arrays
 from stages.policy import hf_state
 from stages.train.batch import build_global_batch
 from stages.train.buckets import bucketed_layout, microbatches_per_pass
 from stages.train.engine import TrainSetup
 from stages.train.local import run_local_pipeline
+from stages.train.loss import token_logp
+from stages.train.plan import microbatch_layout
 from test_buckets_pipeline import (BUDGET, G, LOSS, MAX_NEW, PROMPT_WIDTH, STEP_A, STEP_B, WIDTHS, arrays_for,
                                    single_process_logp)
 
@@ -60,10 +62,34 @@ def test_data_parallel_reference_equals_the_pipeline_reference(schedule, virtual
         assert out.steps[0].metrics["step_seconds"] > 0 and 0 <= out.steps[0].metrics["bubble_fraction"] < 1
 
 
-def test_data_parallel_reference_needs_the_whole_model_and_no_tensor_split():
+def test_data_parallel_reference_refuses_tensor_parallelism_and_unknown_modes():
     cfg = make_decoder_config()
     with pytest.raises(ValueError, match="tensor_parallel_size=2 use pipeline"):
         TrainSetup(model=cfg, pipeline_parallel_size=2, num_microbatches=2, tensor_parallel_size=2,
                    reference_parallel="data")
     with pytest.raises(ValueError, match="is not one of pipeline, data"):
         TrainSetup(model=cfg, pipeline_parallel_size=2, num_microbatches=2, reference_parallel="replicated")
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_data_parallel_reference_on_the_fixed_layout(dp):
+    """The run's fixed layout (a pass without its own microbatch count: the setup's count per
+    data-parallel rank), as the tiny config runs it, at DP 1 and DP 2."""
+    cfg = make_decoder_config()
+    model = make_model(cfg)
+    arrays = make_rollout_arrays(model, num_groups=8, group_size=4, prompt_width=5, max_new_tokens=6, seed=3)
+    layout = microbatch_layout(8, 4, 5, 6, 4 * 11, packing=False, data_parallel_size=dp)
+    batch = build_global_batch(arrays, "token-mean", 0, layout)
+    assert batch.num_microbatches is None and layout.num_microbatches == 8
+    got = {}
+    for mode in ("pipeline", "data"):
+        setup = TrainSetup(model=cfg, pipeline_parallel_size=2, num_microbatches=layout.num_microbatches // dp,
+                           data_parallel_size=dp, loss=LOSS, timeout_s=60, reference_parallel=mode)
+        outputs = run_local_pipeline(setup, hf_state(model), [batch], calls=["reference"])
+        (got[mode],) = [out.logps[0] for out in outputs if out.logps[0] is not None]
+    assert torch.equal(got["data"], got["pipeline"])
+    want = build_global_batch(arrays, "token-mean", 0)  # one padded row per sample, one forward
+    with torch.no_grad():
+        ref = want.completion_values(token_logp(model(want.input_ids), want.target[..., 0].long(), LOSS.temperature))
+    torch.testing.assert_close(torch.from_numpy(batch.completion_values(got["data"])), torch.from_numpy(ref),
+                               rtol=0, atol=1e-5)

@@ -25,8 +25,7 @@ from planner.layout import (
     training_memory_rejection,
 )
 from planner.memory import estimate_optimizer_bytes, estimate_stage_parameters
-from planner.model import estimate_parameter_count
-from planner.training import estimate_stage_layout, estimate_training_memory
+from planner.training import estimate_stage_layout, estimate_training_memory, reference_parameters
 
 __all__ = ["Candidate", "Rejection", "SearchResult", "search_layouts", "SCHEDULE_VARIANTS"]
 
@@ -157,7 +156,7 @@ def _static_memory_bytes(cfg: PlanConfig) -> float:
                                                single_stage=len(layout.layers) == 1,
                                                tp_rules=train.tensor_parallel_rules)
                      for s, r in enumerate(layout.ranks) if r == rank)
-        reference = estimate_parameter_count(model) if train.reference_parallel == "data" else params
+        reference = reference_parameters(model, train, params)
         total = params * (BF16_BYTES + train.grad_dtype_bytes) + reference * BF16_BYTES + estimate_optimizer_bytes(
             params, train.data_parallel_size, train.distributed_optimizer)
         worst = max(worst, total)

@@ -42,6 +42,7 @@ __all__ = [
     "estimate_action_durations",
     "estimate_train_step",
     "estimate_training_memory",
+    "reference_parameters",
     "estimate_schedule_in_flight",
     "estimate_stage_activation_bytes",
     "estimate_reference_pass_s",
@@ -222,6 +223,12 @@ def estimate_schedule_in_flight(cfg: PlanConfig) -> ScheduleSimulation:
     return _order_simulation(train.schedule, p, m, v)
 
 
+def reference_parameters(model: ModelShape, train: TrainConfig, stage_params: int) -> int:
+    """Frozen-reference parameters a training rank holds beside its ``stage_params``: the same
+    stages' copy, or the whole model with train.reference_parallel = data."""
+    return estimate_parameter_count(model) if train.reference_parallel == "data" else stage_params
+
+
 def estimate_training_memory(cfg: PlanConfig, simulation: ScheduleSimulation | None = None) -> tuple[TrainingMemory, ...]:
     """Memory stack of each pipeline rank; activation stash from the schedule's in-flight microbatches."""
     model, train, seq_len = cfg.model_shape, cfg.train, cfg.seq_len
@@ -252,8 +259,7 @@ def estimate_training_memory(cfg: PlanConfig, simulation: ScheduleSimulation | N
             logits_bytes=estimate_logits_buffer_bytes(model, tokens, vocab_tp) if holds_last else 0.0,
             working_bytes=float(one_layer),
             peak_in_flight=in_flight[rank],
-            reference_bytes=(estimate_parameter_count(model) if train.reference_parallel == "data" else params)
-            * BF16_BYTES,
+            reference_bytes=reference_parameters(model, train, params) * BF16_BYTES,
         ))
     return tuple(result)
 

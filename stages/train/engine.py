@@ -128,6 +128,12 @@ class TrainRank:
         self.guard = StepGuard(self.groups.store, rank, self.layout.world_size,
                                f"rank {rank} (pp={c.pp}, dp={c.dp}, tp={c.tp})")
         self.stage_ids = self.layout.stages_of(c.pp)
+        # The rank whose forward-only passes return the gathered log-probs: the last stage's holder
+        # at dp = tp = 0.
+        last = self.layout.num_stages - 1
+        self.output_rank = next(r for r in range(self.layout.world_size)
+                                if last in self.layout.stages_of(self.layout.coord(r).pp)
+                                and self.layout.coord(r).dp == 0 and self.layout.coord(r).tp == 0)
         self.modules = [self._build(s, tensors) for s in self.stage_ids]
         # The frozen reference is the run's (policy v0), not the version a resumed run starts from.
         ref_tensors = tensors if reference_tensors is None else reference_tensors
@@ -225,7 +231,7 @@ class TrainRank:
     @property
     def is_output_rank(self) -> bool:
         """The rank whose forward-only passes return the gathered log-probs."""
-        return self.holds_last and self.coord.dp == 0 and self.coord.tp == 0
+        return self.rank == self.output_rank
 
     # -- inputs -------------------------------------------------------------------------------------
     def _inject(self, stage: int, microbatch: int) -> None:
@@ -468,20 +474,13 @@ class TrainRank:
                 k += m
                 outs.append(out)
             flat = torch.cat([o.reshape(-1) for o in outs])
-            dist.reduce(flat, dst=self._output_rank_id(), op=dist.ReduceOp.SUM)
+            dist.reduce(flat, dst=self.output_rank, op=dist.ReduceOp.SUM)
             t1 = time.time_ns()
             self.last_forward = StepResult(self.rank, {"bubble_fraction": 1 - busy_ns / max(t1 - t0, 1),
                                                        "step_seconds": (t1 - t0) / 1e9}, [], (t0, t1))
             if not self.is_output_rank:
                 return None
             return [piece.reshape(o.shape) for piece, o in zip(torch.split(flat, [o.numel() for o in outs]), outs)]
-
-    def _output_rank_id(self) -> int:
-        """Global rank of :attr:`is_output_rank`: the last stage's holder at dp = tp = 0."""
-        last = self.layout.num_stages - 1
-        return next(r for r in range(self.layout.world_size)
-                    if last in self.layout.stages_of(self.layout.coord(r).pp)
-                    and self.layout.coord(r).dp == 0 and self.layout.coord(r).tp == 0)
 
     # -- weights --------------------------------------------------------------------------------------
     def _hf_tensors(self, grads: bool) -> dict[str, torch.Tensor]:

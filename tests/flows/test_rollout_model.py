@@ -42,7 +42,7 @@ def test_a_failed_in_place_load_leaves_no_version_held(engine):
     broken[name] = torch.zeros(3, 3)
     received = SimpleNamespace(tensors=broken)
     monkeypatch.setattr(weight_sync, "received_version", lambda cfg, version: (received, ""))
-    with pytest.raises(ValueError, match="has shape \(3, 3\)"):
+    with pytest.raises(ValueError, match=r"has shape \(3, 3\)"):
         tasks._rollout_model(cfg, key, refs[2])
     assert key not in tasks._ROLLOUT_MODELS and key not in tasks._ROLLOUT_VERSIONS
     with pytest.raises(RuntimeError, match="holds policy vNone"):

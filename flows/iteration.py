@@ -9,7 +9,9 @@ is not run again, so a rerun of a crashed iteration picks up after the last comp
 
 Each stage is a :class:`StageFutures`: its tasks (``work``, whose results are the stage's
 measurements) and the one task that marks the stage complete once they have all written
-(``gate``); downstream stages wait on the gate. The work itself is in flows/tasks.py (thin
+(``gate``); downstream stages wait on the gate. A stage of one task marks itself, and so does the
+output rank's task of the reference and proximal passes (the only writer, and the last to finish:
+its pass ends only once every rank has done its share). The work itself is in flows/tasks.py (thin
 load -> stage -> save functions) and stages/.
 
 With rollout.max_staleness s >= 1 several steps are in flight (flows/async_schedule.py): step k
@@ -41,6 +43,7 @@ from flows import tasks, weight_sync
 from flows.cluster import Pools, lost_workers, worker_addresses
 from flows.schema import GRPOConfig, config_hash
 from stages.config import effective_off_policy
+from stages.layout.mesh import ParallelLayout
 from storage.policies import PolicyRef
 from storage.rollouts import RolloutStore, StepLayout, StepRef
 from storage.run_folder import RunFolder
@@ -129,6 +132,13 @@ def step_layout(cfg: GRPOConfig) -> StepLayout:
     return StepLayout(prompts, G, cfg.prompt_width, cfg.rollout.max_new_tokens, groups_per_chunk)
 
 
+def _output_rank(cfg: GRPOConfig) -> int:
+    """The training rank that writes the step's reference and proximal log-probs."""
+    t = cfg.train
+    return ParallelLayout(t.pipeline_model_parallel_size, t.data_parallel_size, t.tensor_model_parallel_size,
+                          t.virtual_pipeline_model_parallel_size, t.schedule).output_rank
+
+
 def _ranges(num_groups: int, groups_per_chunk: int, parts: int) -> list[tuple[int, int]]:
     """Split groups [0, num_groups) into at most ``parts`` chunk-aligned contiguous ranges."""
     chunks = -(-num_groups // groups_per_chunk)
@@ -169,6 +179,22 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
             stages[stage] = StageFutures(stage, work, gate)
         return stages[stage].deps
 
+    def add_ranked(stage: str, calls: list[tuple], **attrs) -> tuple[Future, ...]:
+        """A forward-only stage of one task per training rank (``calls`` in rank order), whose only
+        output the output rank writes: that rank's task marks the stage complete itself, after its
+        write. Its pass ends only once every rank has done its share (a pipeline or a reduction onto
+        it), so downstream stages wait on it alone, with no gate task between; each rank's next
+        task also waits on its own task of the stage (``own``)."""
+        out = _output_rank(cfg)
+        work = tuple(client.submit(tasks.run_and_mark, fn, ref, stage, attrs, *args, **kw) if r == out
+                     else client.submit(fn, *args, **kw) for r, (fn, args, kw) in enumerate(calls))
+        stages[stage] = StageFutures(stage, work, work[out])
+        return stages[stage].deps
+
+    def own(rank: int, *names: str) -> tuple[Future, ...]:
+        """Rank ``rank``'s tasks of the ranked stages ``names`` (those not skipped)."""
+        return tuple(stages[n].work[rank] for n in names if n in stages and stages[n].work)
+
     def skip(stage: str) -> tuple[Future, ...]:
         stages[stage] = StageFutures(stage)
         return ()
@@ -193,18 +219,19 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
     if "reference" in done:
         reference = skip("reference")
     else:
-        reference = add("reference", [(tasks.reference_task, (cfg, ref, *rollout, *prev_train),
-                                       dict(key=f"reference-{ref.step}-{r}-{tok}", **train_pin[r]))
-                                      for r in range(world)])
+        reference = add_ranked("reference", [(tasks.reference_task, (cfg, ref, *rollout, *prev_train),
+                                              dict(key=f"reference-{ref.step}-{r}-{tok}", **train_pin[r]))
+                                             for r in range(world)])
 
     proximal: tuple[Future, ...] = ()
     if "proximal" in step_stages(cfg):
         if "proximal" in done:
             proximal = skip("proximal")
         else:  # the trainer's current weights: after the previous step's train, before this one's
-            proximal = add("proximal", [(tasks.proximal_task, (cfg, ref, *rollout, *reference, *prev_train),
-                                         dict(key=f"proximal-{ref.step}-{r}-{tok}", **train_pin[r]))
-                                        for r in range(world)])
+            proximal = add_ranked("proximal", [(tasks.proximal_task, (cfg, ref, *rollout, *reference,
+                                                                      *own(r, "reference"), *prev_train),
+                                                dict(key=f"proximal-{ref.step}-{r}-{tok}", **train_pin[r]))
+                                               for r in range(world)])
 
     if "advantage" in done:
         advantage = skip("advantage")
@@ -216,7 +243,8 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
         train = skip("train")
     else:
         train = add("train", [(tasks.train_task, (cfg, ref, folder, new_version, *advantage, *reference, *proximal,
-                                                  *prev_train), dict(key=f"train-{ref.step}-{r}-{tok}", **train_pin[r]))
+                                                  *own(r, "reference", "proximal"), *prev_train),
+                               dict(key=f"train-{ref.step}-{r}-{tok}", **train_pin[r]))
                               for r in range(world)], trainer_version=ref.step)
 
     # Publish always runs: it is idempotent, and a step whose publish is complete is not rerun.

@@ -264,8 +264,9 @@ def mark_stage_complete(ref: StepRef, stage: str, *deps, attrs: dict | None = No
 
 
 def run_and_mark(fn: Callable, ref: StepRef, stage: str, attrs: dict, *args):
-    """``fn(*args)``, the only task of ``stage``, then the stage's completion mark with its result
-    (as :func:`mark_stage_complete` writes it), in the same task."""
+    """``fn(*args)``, the only task of ``stage`` (or the one that writes its outputs, after every
+    other task of it has done its share), then the stage's completion mark with its result (as
+    :func:`mark_stage_complete` writes it), in the same task."""
     result = fn(*args)
     mark_stage_complete(ref, stage, result, attrs=attrs)
     return result

@@ -75,6 +75,12 @@ class ParallelLayout:
     def stage_to_rank(self) -> dict[int, int]:
         return dict(enumerate(stage_to_rank(self.schedule, self.pp, self.virtual)))
 
+    @property
+    def output_rank(self) -> int:
+        """The rank whose forward-only passes return the step's gathered log-probs (and write them):
+        the last stage's holder at dp = tp = 0 (pipeline rank 0 for a V-shaped schedule)."""
+        return self.rank_of(MeshCoord(self.stage_rank(self.num_stages - 1), 0, 0))
+
     def axis_groups(self, axis: str) -> list[list[int]]:
         """Every group of global ranks along mesh axis ``axis`` (pp, dp or tp), in a fixed order:
         process groups must be created by every rank in the same order."""

@@ -128,12 +128,7 @@ class TrainRank:
         self.guard = StepGuard(self.groups.store, rank, self.layout.world_size,
                                f"rank {rank} (pp={c.pp}, dp={c.dp}, tp={c.tp})")
         self.stage_ids = self.layout.stages_of(c.pp)
-        # The rank whose forward-only passes return the gathered log-probs: the last stage's holder
-        # at dp = tp = 0.
-        last = self.layout.num_stages - 1
-        self.output_rank = next(r for r in range(self.layout.world_size)
-                                if last in self.layout.stages_of(self.layout.coord(r).pp)
-                                and self.layout.coord(r).dp == 0 and self.layout.coord(r).tp == 0)
+        self.output_rank = self.layout.output_rank
         self.modules = [self._build(s, tensors) for s in self.stage_ids]
         # The frozen reference is the run's (policy v0), not the version a resumed run starts from.
         ref_tensors = tensors if reference_tensors is None else reference_tensors

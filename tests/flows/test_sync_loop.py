@@ -107,6 +107,23 @@ def test_the_engine_generated_from_the_weights_it_received(two_paths):
         assert load["weights_from"] == "memory" and load["weights_content_hash"] == state_digest(tensors)
 
 
+def test_the_output_rank_marks_the_reference_stage_itself(two_paths):
+    """No gate task between the reference pass and the training step: the task of the rank that
+    writes ref_logp marks the stage, so the mark holds that one task's measurements (a gate after
+    both ranks' tasks stored two), before the training tasks start."""
+    loop_dir, *_ = two_paths
+    from storage.rollouts import RolloutStore
+
+    store = RolloutStore(loop_dir / "rollouts.zarr")
+    for step in range(ITERATIONS):
+        attrs = store.attrs(step)
+        marks = attrs["complete"]
+        assert set(marks) == {"rollout", "reward", "reference", "advantage", "train", "publish", "lineage"}
+        assert marks.index("reference") < marks.index("train")  # the training tasks waited on the mark
+        (only,) = attrs["results_reference"]
+        assert only["reference_seconds"] > 0
+
+
 def test_colocated_engines_receive_beside_their_training_rank(tmp_path):
     """cluster.placement=colocated: the engine's receiving thread runs in training worker 0's
     process, beside pipeline rank 0's sender; versions still arrive in memory."""

@@ -37,6 +37,16 @@ def test_stage_placement_looped_and_v_shaped():
     assert ParallelLayout(pp=4, dp=2, schedule="1f1b").tied_groups() == [[0, 6], [1, 7]]
 
 
+def test_output_rank_holds_the_last_stage_at_dp_and_tp_zero():
+    # pp 2 x dp 2 x tp 2, looped: the last stage is on pipeline rank 1; (pp 1, dp 0, tp 0) = rank 4.
+    assert ParallelLayout(pp=2, dp=2, tp=2).output_rank == 4
+    # looped interleaving, pp 4 x v 2 x dp 2: stage 7 on pipeline rank 3 -> (3, 0, 0) = rank 6.
+    assert ParallelLayout(pp=4, dp=2, virtual=2, schedule="interleaved-1f1b").output_rank == 6
+    # a V ends where it starts: pipeline rank 0.
+    assert ParallelLayout(pp=4, dp=2, virtual=2, schedule="zbv").output_rank == 0
+    assert ParallelLayout().output_rank == 0
+
+
 @pytest.mark.parametrize("schedule, p, m, v, fragment", [
     ("1f1b", 4, 3, 1, "needs at least train.pipeline_model_parallel_size=4 microbatches"),
     ("gpipe", 2, 4, 2, "set train.virtual_pipeline_model_parallel_size=1"),

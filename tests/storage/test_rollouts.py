@@ -162,6 +162,20 @@ def test_wrong_shape_names_the_array_and_changes_nothing(tmp_path, name, bad_sha
     assert np.array_equal(store.read(0, name)[name], before)
 
 
+def test_write_rows_checks_every_array_before_writing_any(tmp_path):
+    """One call writes a stage's arrays together: a misshapen one is named, and the well-formed
+    arrays of the same call are not written either."""
+    layout = make_layout()
+    store = make_store(tmp_path, layout=layout)
+    before = {n: make_values(n, layout, seed=1) for n in ("reward", "tokens")}
+    store.write_rows(0, before)
+    after = {"reward": make_values("reward", layout, seed=2), "tokens": np.zeros((layout.num_samples, 3), np.int32)}
+    with pytest.raises(RolloutStoreError, match="tokens"):
+        store.write_rows(0, after)
+    got = store.read(0, "reward", "tokens")
+    assert all(np.array_equal(got[n], before[n]) for n in before)
+
+
 def test_write_past_the_end_raises_and_changes_nothing(tmp_path):
     layout = make_layout()
     store = make_store(tmp_path, layout=layout)

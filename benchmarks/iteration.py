@@ -19,6 +19,10 @@ Scenarios:
   Policy v0 is the untrained model (warmup.steps=0): EOS has probability ~1/vocab per token, so
   completion lengths spread geometrically, mean ~16 of 64.
 
+With ``rollout.max_staleness=1`` (an override) grpoflow generates step k+1 while it trains step k:
+another algorithm (one version stale, decoupled PPO), measured against the same synchronous loop on
+every core.
+
     python benchmarks/iteration.py --scenario tiny --reps 3 --iterations 4
     python benchmarks/iteration.py --scenario bench --reps 2 --iterations 3
 """
@@ -30,6 +34,7 @@ import json
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -76,8 +81,11 @@ def _passes(batch):
 def baseline_iterations(cfg: GRPOConfig, policy_path: str) -> list[dict[str, float]]:
     """The same iterations in this process, plain (see the module docstring); per-step seconds."""
     # Every core the process has, by grpoflow's own rule for one busy engine (1 on an oversubscribed
-    # host, where more intra-op threads only wait on each other: docs/performance.md).
-    torch.set_num_threads(phase_threads(cfg, "rollout"))
+    # host, where more intra-op threads only wait on each other: docs/performance.md). The loop is
+    # synchronous whatever rollout.max_staleness says, so it takes the synchronous rule: with
+    # overlapping pools the rule would share the cores among pools this process does not have.
+    sync_cfg = replace(cfg, rollout=replace(cfg.rollout, max_staleness=0))
+    torch.set_num_threads(phase_threads(sync_cfg, "rollout"))
     hf_config, tokenizer_json, tensors = load_model_folder(policy_path)
     model_cfg = DecoderConfig.from_hf(hf_config)
     policy, reference = build_stage(model_cfg), build_stage(model_cfg)
@@ -172,13 +180,13 @@ def main() -> None:
         print(f"rep {rep}: grpoflow {row['flow']['step_window_seconds']:.3f} s/it, "
               f"baseline {row['base']['iteration_seconds']:.3f} s/it, ratio {row['ratio']['flow_over_base']:.2f}",
               flush=True)
-    _report(args.scenario, reps)
+    _report(args.scenario, reps, overlapping=cfg.rollout.max_staleness >= 1)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(reps, fh, indent=1)
 
 
-def _report(scenario: str, reps: list[dict]) -> None:
+def _report(scenario: str, reps: list[dict], overlapping: bool = False) -> None:
     med = {w: {k: statistics.median(r[w][k] for r in reps) for k in reps[0][w]} for w in ("flow", "base")}
     ratios = [r["ratio"]["flow_over_base"] for r in reps]
     f, b = med["flow"], med["base"]
@@ -187,7 +195,10 @@ def _report(scenario: str, reps: list[dict]) -> None:
     print(f"grpoflow / baseline iteration seconds: {statistics.median(ratios):.2f} "
           f"(per rep {', '.join(f'{x:.2f}' for x in ratios)})")
     print("grpoflow: " + ", ".join(f"{k} {v:.3f}" for k, v in f.items()))
-    print(f"grpoflow outside rollout/reference/train compute: {1 - compute / f['step_window_seconds']:.1%}")
+    if overlapping:  # generation runs beside training: their compute seconds add up past the step
+        print("grpoflow outside compute: not defined with rollout.max_staleness >= 1 (the stages overlap)")
+    else:
+        print(f"grpoflow outside rollout/reference/train compute: {1 - compute / f['step_window_seconds']:.1%}")
     print("baseline: " + ", ".join(f"{k} {v:.3f}" for k, v in b.items()))
 
 

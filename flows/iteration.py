@@ -10,8 +10,9 @@ is not run again, so a rerun of a crashed iteration picks up after the last comp
 Each stage is a :class:`StageFutures`: its tasks (``work``, whose results are the stage's
 measurements) and the one task that marks the stage complete once they have all written
 (``gate``); downstream stages wait on the gate. A stage of one task marks itself, and so does the
-output rank's task of the reference and proximal passes (the only writer, and the last to finish:
-its pass ends only once every rank has done its share). The work itself is in flows/tasks.py (thin
+output rank's task of the reference and proximal passes (the only writer: its pass ends only once
+every rank has entered it and sent it its share; the mark is written in that pinned task, without
+the gates' retries). The work itself is in flows/tasks.py (thin
 load -> stage -> save functions) and stages/.
 
 With rollout.max_staleness s >= 1 several steps are in flight (flows/async_schedule.py): step k
@@ -105,7 +106,8 @@ class StageFutures:
     """The stage's tasks; their results are its measurements (publish: the new PolicyRef)."""
     gate: Future | None = None
     """Marks the stage complete in the store after every work task (a one-task stage's task marks it
-    itself and is its own gate); None when the stage was skipped."""
+    itself and is its own gate, as does the output rank's task of a forward-only pass, once it has
+    written); None when the stage was skipped."""
 
     @property
     def deps(self) -> tuple[Future, ...]:
@@ -444,11 +446,14 @@ def _collect(step: int, values: dict[str, list], stage_seconds: dict[str, float]
         for e in events:
             if "ts" in e:
                 e["ts"] -= origin
-    forward = [r["task_end"] for s in ("reference", "proximal") for r in values.get(s, [])]
-    if forward and trains:
-        # The ranks' wait between the step's forward-only passes and its train task: the gate and
-        # dispatch hops (and the advantages, when they come later); the planner's per-hop cost.
-        m["train_handoff_seconds"] = min(r["task_start"] for r in trains) - max(forward)
+    forward: dict[int, float] = {}  # rank -> the end of its last forward-only task of the step
+    for r in (r for s in ("reference", "proximal") for r in values.get(s, [])):
+        forward[r.get("rank", -1)] = max(forward.get(r.get("rank", -1), r["task_end"]), r["task_end"])
+    waits = [t["task_start"] - forward[t["rank"]] for t in trains if t["rank"] in forward]
+    if waits:
+        # A rank's wait between its forward-only passes and its train task: the dispatch hop (and
+        # the advantages or the output rank's mark, when they come later); the planner's per-hop cost.
+        m["train_handoff_seconds"] = min(waits)
     m.update(weight_sync.step_metrics(values))
     m.update({f"{s}_seconds": v for s, v in stage_seconds.items()})
     busy = [("rollout", r["task_start"], r["task_end"]) for r in values["rollout"]]

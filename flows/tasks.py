@@ -328,7 +328,8 @@ def reference_task(cfg: GRPOConfig, ref: StepRef, *deps) -> dict[str, float]:
     logp = engine.batch_logp(batch, "reference_logp")  # every pass, as [N, max_new] in store order
     if logp is not None:
         store.write(ref.step, "ref_logp", logp)
-    return {"reference_seconds": time.perf_counter() - t0, "task_start": t_start, "task_end": time.time()}
+    return {"reference_seconds": time.perf_counter() - t0, "rank": engine.rank, "task_start": t_start,
+            "task_end": time.time()}
 
 
 def proximal_task(cfg: GRPOConfig, ref: StepRef, *deps) -> dict[str, float]:
@@ -342,7 +343,8 @@ def proximal_task(cfg: GRPOConfig, ref: StepRef, *deps) -> dict[str, float]:
     logp = engine.batch_logp(batch, "proximal_logp")
     if logp is not None:
         store.write(ref.step, "prox_logp", logp)
-    return {"proximal_seconds": time.time() - t_start, "task_start": t_start, "task_end": time.time()}
+    return {"proximal_seconds": time.time() - t_start, "rank": engine.rank, "task_start": t_start,
+            "task_end": time.time()}
 
 
 # -- advantages ---------------------------------------------------------------------------------------

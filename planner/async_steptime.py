@@ -16,9 +16,10 @@ publish of step k - s - 1, a cycle through s + 1 steps, hence the third term. Co
 queue holds rollout and the ranks' tasks, so asynchrony hides only reward, advantage and publish.
 
 Two terms price the host the sync run measured on. H (``handoff``) is what the ranks wait between
-two of their tasks, a completion gate and a dispatch through the scheduler (the sync run's
-train_handoff_seconds): the synchronous path pays it inside L, but in the asynchronous steady state
-the training chain runs back to back, two hand-offs a step (train -> next reference -> train). C
+two of their tasks, a dispatch through the scheduler (the sync run's train_handoff_seconds, from a
+rank's reference pass to its train task): the synchronous path pays it inside L, but in the
+asynchronous steady state the training chain runs back to back, two hand-offs a step (train -> next
+reference -> train; the first also passes the train stage's completion gate, so 2H is a floor). C
 (``host_cpu``) is the CPU seconds a step costs every process of the run on the host (workers,
 driver, scheduler, reward processes: the sync run's host_cpu_seconds) and n the host's cores: no
 schedule runs a step in less than C / n. Without them (None / 0) the model is the pure overlap of
@@ -47,7 +48,7 @@ class StageSeconds:
     proximal: float | None = None
     """Forward pass of the trainer's weights; None: taken equal to the reference pass."""
     handoff: float = 0.0
-    """Seconds the training ranks wait between two of their tasks (gate and dispatch hops)."""
+    """Seconds the training ranks wait between two of their tasks (a dispatch hop)."""
     host_cpu: float | None = None
     """CPU seconds per step of every process of the run on the host; None: no host bound."""
     cores: int | None = None

@@ -207,20 +207,18 @@ class RolloutStore:
                 values = np.asarray(values)
                 if values.shape[1:] != arr.shape[1:] or start < 0 or start + len(values) > arr.shape[0]:
                     raise ValueError(f"values of shape {values.shape} at row {start} do not fit {arr.shape}")
-            except Exception as exc:
-                raise RolloutStoreError(f"cannot write {name} of {self.ref(step)}: {exc}") from exc
-            targets.append((name, arr, values.astype(arr.dtype, copy=False)))
-
-        async def one(name: str, arr: "zarr.Array", values: np.ndarray) -> None:
-            try:
-                await arr.async_array.setitem(slice(start, start + len(values)), values)
+                targets.append((name, arr, values.astype(arr.dtype, copy=False)))
             except Exception as exc:
                 raise RolloutStoreError(f"cannot write {name} of {self.ref(step)}: {exc}") from exc
 
-        async def write_all() -> None:
-            await asyncio.gather(*(one(*t) for t in targets))
+        async def write_all() -> list:
+            return await asyncio.gather(*(arr.async_array.setitem(slice(start, start + len(values)), values)
+                                          for _, arr, values in targets), return_exceptions=True)
 
-        sync(write_all())
+        # Every write has settled before this returns or raises (none is left running behind an error).
+        for (name, _, _), outcome in zip(targets, sync(write_all())):
+            if isinstance(outcome, BaseException):
+                raise RolloutStoreError(f"cannot write {name} of {self.ref(step)}: {outcome}") from outcome
 
     def read(self, step: int, *names: str, start: int = 0, stop: int | None = None) -> dict[str, np.ndarray]:
         """Rows [start, stop) of the named arrays, read in one call into Zarr's event loop."""
@@ -231,16 +229,16 @@ class RolloutStore:
             except Exception as exc:
                 raise RolloutStoreError(f"cannot read {name} of {self.ref(step)}: {exc}") from exc
 
-        async def one(name: str, arr: "zarr.Array") -> np.ndarray:
-            try:
-                return await arr.async_array.getitem(slice(start, stop))
-            except Exception as exc:
-                raise RolloutStoreError(f"cannot read {name} of {self.ref(step)}: {exc}") from exc
+        async def read_all() -> list:
+            return await asyncio.gather(*(arr.async_array.getitem(slice(start, stop)) for _, arr in handles),
+                                        return_exceptions=True)
 
-        async def read_all() -> list[np.ndarray]:
-            return await asyncio.gather(*(one(*h) for h in handles))
-
-        return dict(zip(names, sync(read_all())))
+        out = {}
+        for (name, _), outcome in zip(handles, sync(read_all())):
+            if isinstance(outcome, BaseException):
+                raise RolloutStoreError(f"cannot read {name} of {self.ref(step)}: {outcome}") from outcome
+            out[name] = outcome
+        return out
 
     def dask_array(self, step: int, name: str) -> "da.Array":
         """One stored array as a dask array, chunked as stored (whole groups). The values are read

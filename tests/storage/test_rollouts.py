@@ -172,6 +172,8 @@ def test_write_rows_checks_every_array_before_writing_any(tmp_path):
     after = {"reward": make_values("reward", layout, seed=2), "tokens": np.zeros((layout.num_samples, 3), np.int32)}
     with pytest.raises(RolloutStoreError, match="tokens"):
         store.write_rows(0, after)
+    with pytest.raises(RolloutStoreError, match="cannot write reward"):  # values that do not cast
+        store.write_rows(0, {"tokens": before["tokens"], "reward": np.array(["x"] * layout.num_samples)})
     got = store.read(0, "reward", "tokens")
     assert all(np.array_equal(got[n], before[n]) for n in before)
 

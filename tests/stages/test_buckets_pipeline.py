@@ -140,7 +140,9 @@ def test_bucketed_steps_equal_single_process(schedule, virtual, dp, tp, tied, pa
     for call in (2, 3):  # reference and proximal (weights not yet stepped): the same model
         got = [out.logps[call] for out in outputs if out.logps[call] is not None]
         assert len(got) == 1
-        torch.testing.assert_close(got[0], want_logp, rtol=0, atol=1e-4 if tp > 1 else 1e-6)
+        # fp32 log-probs near -1 from microbatches of other shapes than the single process's: the
+        # matmuls block them differently, a few ulps (1.4e-6 on a Zen 3 without AVX-512).
+        torch.testing.assert_close(got[0], want_logp, rtol=1e-5, atol=1e-4 if tp > 1 else 1e-6)
     for out in outputs:
         metrics = out.steps[0].metrics
         assert metrics["train_passes"] == len(buckets_a)

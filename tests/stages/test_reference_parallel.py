@@ -52,7 +52,8 @@ def test_data_parallel_reference_equals_the_pipeline_reference(schedule, virtual
     want = torch.from_numpy(single_process_logp(model, b))
     for call in (0, 2):
         assert torch.equal(logp("data", call), logp("pipeline", call)), f"reference call {call}"
-        torch.testing.assert_close(logp("data", call), want, rtol=0, atol=1e-6)
+        # against the single process: other microbatch shapes, a few fp32 ulps (test_buckets_pipeline)
+        torch.testing.assert_close(logp("data", call), want, rtol=1e-5, atol=1e-6)
     assert torch.equal(logp("data", 3), logp("pipeline", 3))  # proximal: the stepped policy, pipelined
     assert not torch.equal(logp("data", 3), logp("data", 0))  # ... which the step did change
     for ours, theirs in zip(runs["data"], runs["pipeline"]):  # the training step itself is untouched

@@ -44,7 +44,6 @@ from flows import tasks, weight_sync
 from flows.cluster import Pools, lost_workers, worker_addresses
 from flows.schema import GRPOConfig, config_hash
 from stages.config import effective_off_policy
-from stages.layout.mesh import ParallelLayout
 from storage.policies import PolicyRef
 from storage.rollouts import RolloutStore, StepLayout, StepRef
 from storage.run_folder import RunFolder
@@ -134,13 +133,6 @@ def step_layout(cfg: GRPOConfig) -> StepLayout:
     return StepLayout(prompts, G, cfg.prompt_width, cfg.rollout.max_new_tokens, groups_per_chunk)
 
 
-def _output_rank(cfg: GRPOConfig) -> int:
-    """The training rank that writes the step's reference and proximal log-probs."""
-    t = cfg.train
-    return ParallelLayout(t.pipeline_model_parallel_size, t.data_parallel_size, t.tensor_model_parallel_size,
-                          t.virtual_pipeline_model_parallel_size, t.schedule).output_rank
-
-
 def _ranges(num_groups: int, groups_per_chunk: int, parts: int) -> list[tuple[int, int]]:
     """Split groups [0, num_groups) into at most ``parts`` chunk-aligned contiguous ranges."""
     chunks = -(-num_groups // groups_per_chunk)
@@ -187,7 +179,7 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
         write. Its pass ends only once every rank has done its share (a pipeline or a reduction onto
         it), so downstream stages wait on it alone, with no gate task between; each rank's next
         task also waits on its own task of the stage (``own``)."""
-        out = _output_rank(cfg)
+        out = cfg.train.layout.output_rank
         work = tuple(client.submit(tasks.run_and_mark, fn, ref, stage, attrs, *args, **kw) if r == out
                      else client.submit(fn, *args, **kw) for r, (fn, args, kw) in enumerate(calls))
         stages[stage] = StageFutures(stage, work, work[out])
@@ -448,7 +440,8 @@ def _collect(step: int, values: dict[str, list], stage_seconds: dict[str, float]
                 e["ts"] -= origin
     forward: dict[int, float] = {}  # rank -> the end of its last forward-only task of the step
     for r in (r for s in ("reference", "proximal") for r in values.get(s, [])):
-        forward[r.get("rank", -1)] = max(forward.get(r.get("rank", -1), r["task_end"]), r["task_end"])
+        rank = r.get("rank", -1)  # results stored before the rank was recorded match no train task
+        forward[rank] = max(forward.get(rank, r["task_end"]), r["task_end"])
     waits = [t["task_start"] - forward[t["rank"]] for t in trains if t["rank"] in forward]
     if waits:
         # A rank's wait between its forward-only passes and its train task: the dispatch hop (and

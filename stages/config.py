@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from stages.layout import SCHEDULES, ModelShape, attention_bias_of
+from stages.layout import SCHEDULES, ModelShape, ParallelLayout, attention_bias_of
 from stages.train.off_policy import OffPolicyConfig
 
 __all__ = [
@@ -279,6 +279,13 @@ class TrainConfig:
     def world_size(self) -> int:
         """Training ranks: pipeline x data x tensor parallel."""
         return self.pipeline_model_parallel_size * self.data_parallel_size * self.tensor_model_parallel_size
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """The (pp, dp, tp) mesh of the training ranks and their stages (stages/layout/mesh.py)."""
+        return ParallelLayout(self.pipeline_model_parallel_size, self.data_parallel_size,
+                              self.tensor_model_parallel_size, self.virtual_pipeline_model_parallel_size,
+                              self.schedule)
 
 
 # The planner's recommendation for stale rollouts (docs/design-70b/report.md Section 4): decoupled

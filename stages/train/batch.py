@@ -198,30 +198,40 @@ def _fill_rows(arrays: dict[str, np.ndarray], samples: np.ndarray, row: np.ndarr
                rows: int, T: int, weights: np.ndarray, pad_id: int, trained: Optional[np.ndarray]):
     """Token ids, target, doc ids and positions [rows, T] holding ``samples`` (store indices) at
     (row[k], start[k]); ``weights`` [N] are the global-batch token weights; ``trained`` [N] masks
-    samples out of the loss (None: none)."""
-    prompt_ids, prompt_len = arrays["prompt_ids"], arrays["prompt_len"].astype(np.int64)
-    tokens, length = arrays["tokens"], arrays["length"].astype(np.int64)
+    samples out of the loss (None: none). Every slot is written by one fancy-indexed assignment per
+    array (the plan never overlaps two sequences): no Python loop over the samples."""
+    samples = np.asarray(samples, dtype=np.int64)
+    row, start = np.asarray(row, dtype=np.int64), np.asarray(start, dtype=np.int64)
+    p = arrays["prompt_len"].astype(np.int64)[samples]  # [K]
+    n = arrays["length"].astype(np.int64)[samples]  # [K]
     ids = np.full((rows, T), pad_id, dtype=np.int64)
     target = np.zeros((rows, T, len(TARGET_FIELDS)), dtype=np.float32)
     doc = np.full((rows, T), PAD_DOC_ID, dtype=np.int64)
     pos = np.zeros((rows, T), dtype=np.int64)
+    # Every token of every sequence: k (its sample's place in ``samples``) and t (its position in it).
+    k, t = _ragged(p + n)
+    i, r, c = samples[k], row[k], start[k] + t
+    in_prompt = t < p[k]
+    ids[r, c] = np.where(in_prompt, arrays["prompt_ids"][i, np.where(in_prompt, t, 0)],
+                         arrays["tokens"][i, np.where(in_prompt, 0, t - p[k])])
+    doc[r, c], pos[r, c] = i, t
+    # Every completion token j of every sample, at the position that predicts it: start + p - 1 + j.
+    k, j = _ragged(n)
+    i, r, c = samples[k], row[k], start[k] + p[k] - 1 + j
     prox_logp = arrays.get("prox_logp", arrays["behav_logp"])
-    for k, i in enumerate(samples):
-        r, s, p, n = int(row[k]), int(start[k]), int(prompt_len[i]), int(length[i])
-        ids[r, s:s + p] = prompt_ids[i, :p]
-        ids[r, s + p:s + p + n] = tokens[i, :n]
-        doc[r, s:s + p + n] = i
-        pos[r, s:s + p + n] = np.arange(p + n)
-        at = slice(s + p - 1, s + p - 1 + n)  # positions whose next token is a completion token
-        target[r, at, 0] = tokens[i, :n]
-        target[r, at, 1] = 1.0 if trained is None or trained[i] else 0.0
-        target[r, at, 2] = arrays["advantage"][i]
-        target[r, at, 3] = arrays["behav_logp"][i, :n]
-        target[r, at, 4] = arrays["ref_logp"][i, :n]
-        target[r, at, 5] = weights[i]
-        target[r, at, 6] = prox_logp[i, :n]
-        target[r, at, 7] = i
+    keep = np.ones(len(i), np.float32) if trained is None else trained[i].astype(np.float32)
+    for field, values in (("next_id", arrays["tokens"][i, j]), ("mask", keep), ("advantage", arrays["advantage"][i]),
+                          ("old_logp", arrays["behav_logp"][i, j]), ("ref_logp", arrays["ref_logp"][i, j]),
+                          ("weight", weights[i]), ("prox_logp", prox_logp[i, j]), ("sample_id", i)):
+        target[r, c, TARGET_FIELDS.index(field)] = values
     return ids, target, doc, pos
+
+
+def _ragged(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(owner, offset) of every element of consecutive runs of ``counts`` [K] elements: for run k,
+    owner k and offsets 0 .. counts[k] - 1."""
+    owner = np.repeat(np.arange(len(counts)), counts)
+    return owner, np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def _build_bucketed(arrays: dict[str, np.ndarray], mode: str, pad_id: int, layout: BucketedLayout,

@@ -1,7 +1,7 @@
 """One GRPO iteration as a Dask graph.
 
-    prompts(step) ─► rollout ─► reward ──────────────────────────┐
-                            └─► reference ─► (proximal) ─────────┴─► advantage ─► train ─► publish(policy v+1)
+    prompts(step) ─► rollout ─► reward + advantage ──────────────┐
+                            └─► reference ─► (proximal) ─────────┴─► train ─► publish(policy v+1)
 
 Edges carry small refs (StepRef, PolicyRef), never tensors: every stage reads its inputs from
 the step's Zarr group and writes its outputs there. A stage already marked complete in the store
@@ -12,7 +12,8 @@ measurements) and the one task that marks the stage complete once they have all 
 (``gate``); downstream stages wait on the gate. A stage of one task marks itself, and so does the
 output rank's task of the reference and proximal passes (the only writer: its pass ends only once
 every rank has entered it and sent it its share; the mark is written in that pinned task, without
-the gates' retries). The work itself is in flows/tasks.py (thin
+the gates' retries). A scoring task holds whole groups, so it writes their advantages too and marks
+reward and advantage together; publish marks train before it publishes. The work itself is in flows/tasks.py (thin
 load -> stage -> save functions) and stages/.
 
 With rollout.max_staleness s >= 1 several steps are in flight (flows/async_schedule.py): step k
@@ -22,7 +23,7 @@ train.off_policy.proximal = pass), and the training-rank tasks of step k wait on
 (``prev_train``), so every rank runs the collectives of consecutive steps in the same order.
 :func:`submit_iteration` builds one step's graph; :func:`finish_iteration` waits for it.
 
-Losing a worker: stateless tasks (reward, advantage, publish, the gates) carry no worker
+Losing a worker: stateless tasks (scoring, advantage, publish, the gates) carry no worker
 restriction and Dask ``retries``, and rewrite whole chunk-aligned regions, so Dask reruns them
 elsewhere when their worker dies; rollout tasks ask only for the ``rollout`` resource, so a
 restarted engine takes them (it loads the policy on first use). Training and reference tasks are
@@ -104,9 +105,13 @@ class StageFutures:
     work: tuple[Future, ...] = ()
     """The stage's tasks; their results are its measurements (publish: the new PolicyRef)."""
     gate: Future | None = None
-    """Marks the stage complete in the store after every work task (a one-task stage's task marks it
-    itself and is its own gate, as does the output rank's task of a forward-only pass, once it has
-    written); None when the stage was skipped."""
+    """The task that marks the stage complete in the store once every work task has written: a gate
+    task after them, the stage's own task (a one-task stage; the output rank's task of a
+    forward-only pass), a scoring task or gate (reward and advantage together), or the next
+    stage's task (``marked_by_next``); None when the stage was skipped."""
+    marked_by_next: bool = False
+    """The gate is the next stage's task (publish marks train before it publishes): the stage
+    ends when its work does."""
 
     @property
     def deps(self) -> tuple[Future, ...]:
@@ -115,8 +120,9 @@ class StageFutures:
 
     @property
     def futures(self) -> tuple[Future, ...]:
-        """Every future of the stage, once (a one-task stage's task is its own gate)."""
-        return tuple(dict.fromkeys(self.work + self.deps))
+        """The futures the stage ends with, once each: its work and, unless the next stage's task
+        marks it, its gate (a one-task stage's task is its own gate)."""
+        return tuple(dict.fromkeys(self.work if self.marked_by_next else self.work + self.deps))
 
 
 _CHUNK_SAMPLES = 2048  # the most samples in one Zarr chunk of a step's per-sample arrays
@@ -203,12 +209,27 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
              dict(key=f"rollout-{ref.step}-{i}-{tok}", resources={"rollout": 1}, pure=False))
             for i, (lo, hi) in enumerate(_ranges(layout.num_prompts, gpc, len(pools.rollout)))])
 
-    if "reward" in done:
-        reward = skip("reward")
+    if "reward" not in done:  # each scoring task writes rewards and advantages of whole groups
+        scoring = [(tasks.score_task, (cfg, ref, policy.path, lo * G, hi * G, layout.chunk_samples, *rollout),
+                    dict(key=f"score-{ref.step}-{i}-{tok}", **io))
+                   for i, (lo, hi) in enumerate(_ranges(layout.num_prompts, gpc, cfg.reward.num_tasks))]
+        if len(scoring) == 1:
+            fn, args, kw = scoring[0]
+            work = (client.submit(tasks.run_and_mark, fn, ref, tasks.SCORED, {}, *args, **kw),)
+            gate = work[0]
+        else:
+            work = tuple(client.submit(fn, *args, **kw) for fn, args, kw in scoring)
+            gate = client.submit(tasks.mark_scored, cfg, ref, *work, key=f"score-done-{ref.step}-{tok}", **io)
+        stages["reward"] = StageFutures("reward", work, gate)
+        stages["advantage"] = StageFutures("advantage", (gate,), gate)  # the step's reward statistics
+        advantage = (gate,)
     else:
-        reward = add("reward", [(tasks.score_task, (cfg, ref, policy.path, lo * G, hi * G, *rollout),
-                                 dict(key=f"score-{ref.step}-{i}-{tok}", **io))
-                                for i, (lo, hi) in enumerate(_ranges(layout.num_prompts, gpc, cfg.reward.num_tasks))])
+        skip("reward")
+        if "advantage" in done:
+            advantage = skip("advantage")
+        else:  # rewards stored without their advantages
+            advantage = add("advantage", [(tasks.advantage_task, (cfg, ref),
+                                           dict(key=f"advantage-{ref.step}-{tok}", **io))])
 
     if "reference" in done:
         reference = skip("reference")
@@ -227,25 +248,22 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
                                                 dict(key=f"proximal-{ref.step}-{r}-{tok}", **train_pin[r]))
                                                for r in range(world)])
 
-    if "advantage" in done:
-        advantage = skip("advantage")
-    else:
-        advantage = add("advantage", [(tasks.advantage_task, (cfg, ref, *reward),
-                                       dict(key=f"advantage-{ref.step}-{tok}", **io))])
-
     if "train" in done:  # every rank's shard of the new version is on disk already
-        train = skip("train")
+        trains: tuple[Future, ...] = ()
     else:
-        train = add("train", [(tasks.train_task, (cfg, ref, folder, new_version, *advantage, *reference, *proximal,
-                                                  *own(r, "reference", "proximal"), *prev_train),
-                               dict(key=f"train-{ref.step}-{r}-{tok}", **train_pin[r]))
-                              for r in range(world)], trainer_version=ref.step)
-
-    # Publish always runs: it is idempotent, and a step whose publish is complete is not rerun.
-    add("publish", [(tasks.publish_task, (folder, new_version, policy, ref.step, cfg.train.pipeline_model_parallel_size,
-                                          *train), dict(key=f"publish-{ref.step}-{tok}", **io))],
-        next_policy_version=new_version)
-    return stages
+        trains = tuple(client.submit(tasks.train_task, cfg, ref, folder, new_version, *advantage, *reference, *proximal,
+                                     *own(r, "reference", "proximal"), *prev_train,
+                                     key=f"train-{ref.step}-{r}-{tok}", **train_pin[r])
+                       for r in range(world))
+    # Publish always runs: it is idempotent, and a step whose publish is complete is not rerun. It
+    # marks train complete first (with the ranks' results), so no gate task stands between them.
+    publish = client.submit(tasks.run_and_mark, tasks.publish_task, ref, "publish",
+                            {"next_policy_version": new_version}, folder, ref, new_version, policy,
+                            cfg.train.pipeline_model_parallel_size, {"trainer_version": ref.step} if trains else None,
+                            *trains, key=f"publish-{ref.step}-{tok}", **io)
+    stages["train"] = StageFutures("train", trains, publish, marked_by_next=True) if trains else StageFutures("train")
+    stages["publish"] = StageFutures("publish", (publish,), publish)
+    return {name: stages[name] for name in step_stages(cfg)}
 
 
 @dataclass
@@ -320,8 +338,12 @@ def finish_iteration(pending: PendingIteration, on_stage: Callable[[str], None] 
                      timeout_s: float = 900.0) -> IterationResult:
     """Wait for a submitted step; returns its new policy version and metrics."""
     step, stages, start = pending.step, pending.stages, pending.start
-    stage_of = {f.key: s.stage for s in stages.values() for f in s.futures}
-    work_keys = {f.key for s in stages.values() for f in s.work}
+    # A future may end several stages (a scoring task writes rewards and advantages), in stage order.
+    stages_of: dict[str, list[str]] = {}
+    for s in stages.values():
+        for f in s.futures:
+            stages_of.setdefault(f.key, []).append(s.stage)
+    work_keys = {s.stage: {f.key for f in s.work} for s in stages.values()}
     pending_n = {stage: len(stages[stage].futures) for stage in pending.names}
     finished_at = {stage: start for stage, n in pending_n.items() if n == 0}
     for stage in finished_at:
@@ -348,23 +370,27 @@ def finish_iteration(pending: PendingIteration, on_stage: Callable[[str], None] 
                 raise WorkerLostError(f"step {step}: training worker {', '.join(lost)} was lost during stages {late}",
                                       lost)
             # In stage order: a failed task fails its dependents too, and the error names the first stage.
-            for future in sorted(finished, key=lambda f: pending.names.index(stage_of[f.key])):
-                stage = stage_of[future.key]
+            for future in sorted(finished, key=lambda f: pending.names.index(stages_of[f.key][0])):
+                names = stages_of[future.key]
                 if future.status == "error":
-                    raise _failure(client, pools, step, stage, future.exception())
+                    raise _failure(client, pools, step, names[0], future.exception())
                 if future.status == "cancelled":
-                    raise _failure(client, pools, step, stage, RuntimeError(f"task {future.key} was cancelled"))
-                if future.key in work_keys:
+                    raise _failure(client, pools, step, names[0], RuntimeError(f"task {future.key} was cancelled"))
+                if any(future.key in work_keys[n] for n in names):
                     try:  # the result's worker may die before it is fetched: then the next poll sees it
-                        results[stage].append(future.result(timeout=4 * _POLL_S))
+                        value = future.result(timeout=4 * _POLL_S)
                     except TimeoutError:
                         continue
+                    for n in names:
+                        if future.key in work_keys[n]:
+                            results[n].append(value)
                 remaining.discard(future)
-                pending_n[stage] -= 1
-                if pending_n[stage] == 0:
-                    finished_at[stage] = max(pending.done_at.get(f.key, time.perf_counter())
-                                             for f in stages[stage].futures)
-                    on_stage(stage)
+                for n in names:
+                    pending_n[n] -= 1
+                    if pending_n[n] == 0:
+                        finished_at[n] = max(pending.done_at.get(f.key, time.perf_counter())
+                                             for f in stages[n].futures)
+                        on_stage(n)
     finally:
         for s in stages.values():
             for f in s.futures:

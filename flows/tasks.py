@@ -12,6 +12,7 @@ import os
 import time
 from typing import Callable
 
+import dask.array as da
 import numpy as np
 import torch
 
@@ -32,8 +33,8 @@ from storage.run_folder import RunFolder
 
 __all__ = [
     "TRAIN_FAULT_ENV", "exit_with_parent", "worker_ready", "make_base_policy", "init_train_rank",
-    "shutdown_train_rank", "mark_stage_complete", "rollout_task", "score_task", "reference_task", "proximal_task",
-    "advantage_task", "train_task", "publish_task", "phase_threads",
+    "shutdown_train_rank", "mark_stage_complete", "run_and_mark", "rollout_task", "SCORED", "score_task",
+    "mark_scored", "reference_task", "proximal_task", "advantage_task", "train_task", "publish_task", "phase_threads",
 ]
 
 # Worker-process registries (see the module docstring).
@@ -252,18 +253,19 @@ def rollout_task(cfg: GRPOConfig, ref: StepRef, policy: PolicyRef, prompt_start:
     return {**rows.metrics, **load, "task_start": t_start, "task_end": time.time()}
 
 
-def mark_stage_complete(ref: StepRef, stage: str, *deps, attrs: dict | None = None) -> str:
+def mark_stage_complete(ref: StepRef, stage: str | tuple[str, ...], *deps, attrs: dict | None = None):
     """Mark ``stage`` of the step complete (with ``attrs`` on the step group); ``deps`` are the
-    tasks that wrote its outputs, so this runs only once they all have. The one place a stage is
-    marked."""
+    tasks that wrote its outputs, so this runs only once they all have. A tuple of stages (one
+    task's outputs) is marked in one update. The one place a stage is marked."""
     # The work's measurements go with the mark, so a resumed step whose stage is skipped still
     # reports them (flows/iteration.py); Chrome events stay in timelines/ only.
     results = [_jsonable({k: v for k, v in d.items() if k != "events"}) for d in deps if isinstance(d, dict)]
-    RolloutStore(ref.root).mark_complete(ref.step, stage, **(attrs or {}), **{f"results_{stage}": results})
+    stages = (stage,) if isinstance(stage, str) else stage
+    RolloutStore(ref.root).mark_complete(ref.step, stages, **(attrs or {}), **{f"results_{s}": results for s in stages})
     return stage
 
 
-def run_and_mark(fn: Callable, ref: StepRef, stage: str, attrs: dict, *args):
+def run_and_mark(fn: Callable, ref: StepRef, stage: str | tuple[str, ...], attrs: dict, *args):
     """``fn(*args)``, the only task of ``stage`` (or the one that writes its outputs, after every
     other task of it has done its share), then the stage's completion mark with its result (as
     :func:`mark_stage_complete` writes it), in the same task."""
@@ -287,16 +289,38 @@ def _jsonable(value):
     return str(value)
 
 
-# -- reward -------------------------------------------------------------------------------------------
-def score_task(cfg: GRPOConfig, ref: StepRef, policy_path: str, start: int, stop: int, *deps) -> dict[str, float]:
-    """Score rows [start, stop) (whole groups, chunk-aligned) and write their rewards."""
+# -- reward and advantages ----------------------------------------------------------------------------
+SCORED = ("reward", "advantage")
+"""The stages a scoring task writes: a range of whole groups holds every reward its advantages need."""
+
+
+def score_task(cfg: GRPOConfig, ref: StepRef, policy_path: str, start: int, stop: int, chunk_samples: int,
+               *deps) -> dict[str, float]:
+    """Score rows [start, stop) (whole groups, chunk-aligned), normalise their groups' advantages
+    with dask.array over the stored chunks (whole groups), and write rewards, failures and
+    advantages in one call: the reward and advantage stages of that range. Returns the range's
+    reward statistics (the step's when the range is the whole step)."""
     store = RolloutStore(ref.root)
     rows = store.read(ref.step, "prompt_ids", "prompt_len", "tokens", "length", start=start, stop=stop)
     G = cfg.rollout.group_size
     records = _records(cfg, policy_path, ref.step, start // G, stop // G)
     scored = score_rows(_codec(cfg, policy_path), rows, records, G, cfg.reward)
-    store.write_rows(ref.step, {"reward": scored.reward, "reward_failed": scored.failed}, start=start)
-    return {"reward_failed": float(scored.failed.sum())}
+    chunks = min(chunk_samples, stop - start)
+    adv = normalize_advantages(da.from_array(scored.reward, chunks=chunks), G, cfg.advantage,
+                               da.from_array(~scored.failed, chunks=chunks)).compute(scheduler="synchronous")
+    store.write_rows(ref.step, {"reward": scored.reward, "reward_failed": scored.failed, "advantage": adv}, start=start)
+    return reward_statistics(scored.reward, rows["length"], G, scored.failed)
+
+
+def mark_scored(cfg: GRPOConfig, ref: StepRef, *scores: dict) -> dict[str, float]:
+    """The gate of several scoring tasks: the step's reward statistics from the stored arrays, and
+    the reward and advantage stages marked complete in one update."""
+    store = RolloutStore(ref.root)
+    r = store.read(ref.step, "reward", "length", "reward_failed")
+    stats = reward_statistics(r["reward"], r["length"], cfg.rollout.group_size, r["reward_failed"])
+    store.mark_complete(ref.step, SCORED, results_reward=[_jsonable(d) for d in scores],
+                        results_advantage=[_jsonable(stats)])
+    return stats
 
 
 # -- reference log-probs ------------------------------------------------------------------------------
@@ -347,9 +371,11 @@ def proximal_task(cfg: GRPOConfig, ref: StepRef, *deps) -> dict[str, float]:
             "task_end": time.time()}
 
 
-# -- advantages ---------------------------------------------------------------------------------------
+# -- advantages of stored rewards ---------------------------------------------------------------------
 def advantage_task(cfg: GRPOConfig, ref: StepRef, *deps) -> dict[str, float]:
-    """Group-normalised advantages with dask.array over the stored rewards (chunks of whole groups)."""
+    """Group-normalised advantages with dask.array over the stored rewards (chunks of whole
+    groups): a step whose rewards a scoring task marked complete without its advantages (a step
+    stored before scoring tasks wrote both)."""
     store = RolloutStore(ref.root)
     valid = ~store.dask_array(ref.step, "reward_failed")  # failed rewards: out of their group's statistics
     adv = normalize_advantages(store.dask_array(ref.step, "reward"), cfg.rollout.group_size, cfg.advantage, valid)
@@ -388,9 +414,13 @@ def train_task(cfg: GRPOConfig, ref: StepRef, folder: RunFolder, new_version: in
             "task_start": t_start, "task_end": time.time()}
 
 
-def publish_task(folder: RunFolder, new_version: int, base: PolicyRef, step: int, num_shards: int,
-                 *train_deps) -> PolicyRef:
-    """Finish the new policy version once every pipeline rank's shard is written."""
+def publish_task(folder: RunFolder, ref: StepRef, new_version: int, base: PolicyRef, num_shards: int,
+                 train_attrs: dict | None, *trains: dict) -> PolicyRef:
+    """Finish the new policy version once every pipeline rank's shard is written. ``trains``: the
+    training tasks' results when they ran in this attempt; their stage is marked complete here
+    first, with ``train_attrs`` (one task fewer between the ranks' step and the next rollout)."""
+    if trains:
+        mark_stage_complete(ref, "train", *trains, attrs=train_attrs)
     hf_config, tokenizer_json, _ = load_model_folder(base.path, names=set())
     return folder.policy_store().finalize_policy(new_version, hf_config, tokenizer_json, num_shards,
-                                                 extra={"step": step}, source=base.path)
+                                                 extra={"step": ref.step}, source=base.path)

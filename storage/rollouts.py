@@ -172,15 +172,16 @@ class RolloutStore:
             finally:
                 fcntl.flock(fh, fcntl.LOCK_UN)
 
-    def mark_complete(self, step: int, stage: str, **extra_attrs) -> None:
-        """Record that ``stage`` has written all of its outputs (call only after writing them)."""
+    def mark_complete(self, step: int, stage: str | tuple[str, ...], **extra_attrs) -> None:
+        """Record that ``stage`` has written all of its outputs (call only after writing them); a
+        tuple of stages written by one task is marked in one update, so a reader sees all or none."""
+        stages = (stage,) if isinstance(stage, str) else tuple(stage)
         if not self.has_step(step):
-            raise RolloutStoreError(f"cannot mark {stage} complete: {self.ref(step)} does not exist")
+            raise RolloutStoreError(f"cannot mark {', '.join(stages)} complete: {self.ref(step)} does not exist")
         with self._locked(step):
             group = zarr.open_group(self.ref(step).path, mode="r+")
             done = list(group.attrs.get("complete", []))
-            if stage not in done:
-                done.append(stage)
+            done += [s for s in stages if s not in done]
             group.attrs.update({"complete": done, **extra_attrs})
 
     def completed(self, step: int) -> set[str]:

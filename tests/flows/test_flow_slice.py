@@ -1,5 +1,5 @@
 """Two levels, as kedro tests a pipeline: one worker function on a fixture store, and a slice of the
-iteration (rollout -> reward -> advantage) run in order through flows/tasks.py over a run folder,
+iteration (rollout -> reward and advantage) run in order through flows/tasks.py over a run folder,
 each stage's output checked against an independent computation."""
 
 from __future__ import annotations
@@ -58,11 +58,14 @@ def test_score_task_on_fixture_rows(step0):
         rows["prompt_ids"][i, : len(ids)], rows["prompt_len"][i] = ids, len(ids)
         rows["tokens"][i, : len(out)], rows["length"][i] = out, len(out)
     store.write_rows(0, rows)
-    metrics = tasks.score_task(cfg, ref, policy.path, 0, 2 * G)
-    got = store.read(0, "reward")["reward"][: 2 * G]
+    metrics = tasks.score_task(cfg, ref, policy.path, 0, 2 * G, store.layout(0).chunk_samples)
+    got = store.read(0, "reward", "advantage")
     expected = [1.0] * G + [float(answer_of(prompts[1]) == "0")] * G
-    np.testing.assert_array_equal(got, expected)
-    assert metrics == {"reward_failed": 0.0}
+    np.testing.assert_array_equal(got["reward"][: 2 * G], expected)
+    # Every group's rewards are equal: its advantages are exactly 0.
+    np.testing.assert_array_equal(got["advantage"][: 2 * G], np.zeros(2 * G))
+    assert metrics["reward_failed"] == 0.0 and metrics["reward_mean"] == pytest.approx(np.mean(expected))
+    assert metrics["zero_variance_groups"] == 2.0
 
 
 def test_rollout_reward_advantage_slice(step0):
@@ -70,11 +73,15 @@ def test_rollout_reward_advantage_slice(step0):
     G, P = cfg.rollout.group_size, cfg.task.prompts_per_step
     roll = [tasks.rollout_task(cfg, ref, policy, lo, hi, "engine-0") for lo, hi in ((0, 4), (4, 8))]
     tasks.mark_stage_complete(ref, "rollout", *roll)
-    scores = [tasks.score_task(cfg, ref, policy.path, lo, hi) for lo, hi in ((0, 4 * G), (4 * G, 8 * G))]
-    tasks.mark_stage_complete(ref, "reward", *scores)
-    stats = tasks.advantage_task(cfg, ref)
-    tasks.mark_stage_complete(ref, "advantage", stats)
+    chunk = store.layout(0).chunk_samples
+    scores = [tasks.score_task(cfg, ref, policy.path, lo, hi, chunk) for lo, hi in ((0, 4 * G), (4 * G, 8 * G))]
+    stats = tasks.mark_scored(cfg, ref, *scores)
     assert store.completed(0) == {"rollout", "reward", "advantage"}
+    assert store.attrs(0)["results_advantage"] == [stats]
+    # The scoring tasks' advantages are those of the advantage task over the stored rewards, bit for bit.
+    fused = store.read(0, "advantage")["advantage"]
+    assert tasks.advantage_task(cfg, ref) == stats
+    np.testing.assert_array_equal(store.read(0, "advantage")["advantage"], fused)
 
     a = store.read(0, "prompt_ids", "prompt_len", "tokens", "length", "group_id", "policy_version", "reward",
                    "advantage")

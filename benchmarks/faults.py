@@ -44,7 +44,7 @@ from stages.rollout.rows import first_group_id
 
 _AFTER = {"rollout": (), "reward": ("rollout",), "reference": ("rollout",), "advantage": ("reward",),
           "train": ("advantage", "reference"), "publish": ("train",)}
-_POLL_S = 0.02  # the killer's look at the store; tiny stages last ~0.05-2 s
+_POLL_S = 0.005  # the killer's look at the store; tiny stages last ~0.05-2 s
 
 
 @dataclass
@@ -141,6 +141,17 @@ def _scoring_worker(client, step: int, until: float, stop: threading.Event) -> s
 
 def _kill_when_started(client, cfg: GRPOConfig, trial: Trial, stop: threading.Event) -> None:
     store = run_folder(cfg).rollout_store()
+    target = None
+    if trial.target != "reward":
+        # Found before the stage starts (the workers are up when a trial starts): a stage that
+        # starts the moment the one before it publishes is short, and two scheduler round trips
+        # after it started could land past its end.
+        try:
+            address = worker_addresses(client)[trial.target]
+            target = (address, client.run(os.getpid, workers=[address])[address])
+        except Exception as exc:  # the target is itself restarting: no kill
+            trial.killed, trial.killed_during = "", f"not killed ({type(exc).__name__})"
+            return
     while not stop.is_set():
         try:
             done = store.completed(trial.step) if store.has_step(trial.step) else None
@@ -160,20 +171,20 @@ def _kill_when_started(client, cfg: GRPOConfig, trial: Trial, stop: threading.Ev
         if address is None:
             trial.killed_during = "not killed (no reward task seen)"
             return
+        try:
+            trial.killed = {a: n for n, a in worker_addresses(client).items()}.get(address, "")
+            pid = client.run(os.getpid, workers=[address])[address]
+        except Exception as exc:  # the target is itself restarting: no kill
+            trial.killed, trial.killed_during = "", f"not killed ({type(exc).__name__})"
+            return
     else:
         time.sleep(trial.delay_s)
-        address = worker_addresses(client).get(trial.target)
-    try:
-        trial.killed = {a: n for n, a in worker_addresses(client).items()}.get(address, "")
-        pid = client.run(os.getpid, workers=[address])[address]
-    except Exception as exc:  # the target is itself restarting: no kill
-        trial.killed, trial.killed_during = "", f"not killed ({type(exc).__name__})"
-        return
-    try:
+        (address, pid), trial.killed = target, trial.target
+    os.kill(pid, signal.SIGKILL)
+    try:  # the killed worker's stage stays incomplete: read after the kill, off its critical moment
         trial.killed_during = _running(store, cfg, max(0, trial.step - 1))
     except Exception:  # attrs mid-write
         trial.killed_during = f"step={trial.step}"
-    os.kill(pid, signal.SIGKILL)
 
 
 def run_trial(client, cfg: GRPOConfig, trial: Trial, reference_sha: str, restarts: _Restarts) -> Trial:

@@ -2,9 +2,10 @@
 
 Versions: policy v0 is the base; step k trains the trainer's version k into k + 1 (published by
 step k's publish). With ``rollout.max_staleness`` s, step k generates from version
-``max(0, k - s)``: the rule, never a race. The loop (flows/loop.py) submits step k's graph once step
-k - s - 1 has finished, so at most s + 1 steps are in flight and the version step k asks for is
-already published; steps finish in order. Training-rank tasks of different steps are chained
+``max(0, k - s)``: the rule, never a race. Step k's rollout starts once step k - s - 1 has published
+that version: the loop (flows/loop.py) submits step k's graph while step k - s - 1 is still in
+flight (once step k - s - 2 has finished), its rollout waiting on that step's publish task, so at
+most s + 2 steps are in flight; steps finish in order. Training-rank tasks of different steps are chained
 (reference(k) and proximal(k) after train(k-1), train(k) after both), so every rank runs its
 collectives in the same order. s = 0 is the synchronous loop: one step in flight, staleness 0.
 
@@ -87,8 +88,8 @@ def simulate(durations: list[StepDurations], max_staleness: int, colocated: bool
     rollout_free = train_free = 0.0
     published = {0: 0.0}
     for k, d in enumerate(durations):
-        prev = released_by(k, s)
-        submitted = events[prev].finished if prev is not None else 0.0
+        prev = released_by(k, s)  # publishes version v; the loop submits step k once the step before it finished
+        submitted = events[prev - 1].finished if prev is not None and prev >= 1 else 0.0
         v = behaviour_version(k, s)
         spans: dict[str, tuple[float, float]] = {}
 

@@ -49,8 +49,9 @@ from storage.policies import PolicyRef
 from storage.rollouts import RolloutStore, StepLayout, StepRef
 from storage.run_folder import RunFolder
 
-__all__ = ["STAGES", "IterationError", "WorkerLostError", "IterationResult", "PendingIteration", "StageFutures", "run_iteration",
-           "prepare_step", "submit_iteration", "finish_iteration", "step_layout", "step_stages"]
+__all__ = ["STAGES", "IterationError", "WorkerLostError", "IterationResult", "PendingIteration", "PendingPolicy",
+           "StageFutures", "run_iteration", "prepare_step", "submit_iteration", "finish_iteration", "step_layout",
+           "step_stages"]
 
 STAGES = ("rollout", "reward", "reference", "advantage", "train", "publish")
 # What each stage waits for; a stage's seconds are measured from the last of these finishing.
@@ -125,6 +126,25 @@ class StageFutures:
         return tuple(dict.fromkeys(self.work if self.marked_by_next else self.work + self.deps))
 
 
+@dataclass(frozen=True)
+class PendingPolicy:
+    """A policy version a step in flight will publish: the step that generates from it is submitted
+    before that step ends, and its tasks take the publish task's future in its place (Dask hands
+    them the PolicyRef), so its rollout starts when the version is published, with no round trip
+    through the loop between the two steps."""
+
+    version: int
+    path: str
+    publish: Future
+    """The publish task of step ``version - 1``; its result is the version's PolicyRef."""
+    done_at: dict[str, float] = field(default_factory=dict, compare=False, repr=False)
+    """That step's record of when its tasks ended (PendingIteration.done_at): the version is out
+    at ``done_at[publish.key]``."""
+
+
+Policy = PolicyRef | PendingPolicy
+
+
 _CHUNK_SAMPLES = 2048  # the most samples in one Zarr chunk of a step's per-sample arrays
 
 
@@ -148,13 +168,16 @@ def _ranges(num_groups: int, groups_per_chunk: int, parts: int) -> list[tuple[in
 
 
 def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, ref: StepRef,
-            policy: PolicyRef, done: set[str], prev_train: tuple[Future, ...] = (),
+            policy: Policy, done: set[str], prev_train: tuple[Future, ...] = (),
             attempt: int = 0) -> dict[str, StageFutures]:
     G = cfg.rollout.group_size
+    # What tasks take for the policy: the version's PolicyRef, or the future of the task publishing it.
+    pending = isinstance(policy, PendingPolicy)
+    policy_arg = policy.publish if pending else policy
     layout = RolloutStore(ref.root).layout(ref.step)  # as stored: writers keep to its chunks
     gpc = layout.chunk_samples // G
     # A rerun of the step gets new keys: a task of the abandoned attempt may still be running.
-    tok = tokenize(ref, policy.sha256, config_hash(cfg), attempt)
+    tok = tokenize(ref, policy.publish.key if pending else policy.sha256, config_hash(cfg), attempt)
     world = len(pools.train)  # training ranks: one reference and one train task each
     train_pin = [dict(workers=[pools.train_addresses[r]], resources={"train": 1}, pure=False) for r in range(world)]
     new_version = ref.step + 1  # the trainer holds version ref.step (flows/async_schedule.py)
@@ -205,7 +228,7 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
         # Any engine may take any range (rows are seeded by step and prompt): no address pin, so an
         # engine restarted at a new address picks up the range its predecessor lost.
         rollout = add("rollout", [
-            (tasks.rollout_task, (cfg, ref, policy, lo, hi, pools.rollout[i % len(pools.rollout)]),
+            (tasks.rollout_task, (cfg, ref, policy_arg, lo, hi, pools.rollout[i % len(pools.rollout)]),
              dict(key=f"rollout-{ref.step}-{i}-{tok}", resources={"rollout": 1}, pure=False))
             for i, (lo, hi) in enumerate(_ranges(layout.num_prompts, gpc, len(pools.rollout)))])
 
@@ -258,7 +281,7 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
     # Publish always runs: it is idempotent, and a step whose publish is complete is not rerun. It
     # marks train complete first (with the ranks' results), so no gate task stands between them.
     publish = client.submit(tasks.run_and_mark, tasks.publish_task, ref, "publish",
-                            {"next_policy_version": new_version}, folder, ref, new_version, policy,
+                            {"next_policy_version": new_version}, folder, ref, new_version, policy_arg,
                             cfg.train.pipeline_model_parallel_size, {"trainer_version": ref.step} if trains else None,
                             *trains, key=f"publish-{ref.step}-{tok}", **io)
     stages["train"] = StageFutures("train", trains, publish, marked_by_next=True) if trains else StageFutures("train")
@@ -279,8 +302,8 @@ class PendingIteration:
     client: Client
     pools: Pools
     ref: StepRef
-    policy: PolicyRef
-    """The version the step generates from."""
+    policy: Policy
+    """The version the step generates from (pending: a step in flight publishes it)."""
 
     def cancel(self) -> None:
         """Cancel every task of the step that has not finished (a rerun resubmits it)."""
@@ -308,9 +331,10 @@ def prepare_step(cfg: GRPOConfig, folder: RunFolder, step: int, policy_version: 
 
 
 def submit_iteration(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, step: int,
-                     policy: PolicyRef, prev_train: tuple[Future, ...] = (), attempt: int = 0,
+                     policy: Policy, prev_train: tuple[Future, ...] = (), attempt: int = 0,
                      prepared: bool = False) -> PendingIteration:
-    """Submit step ``step``'s graph, generating from ``policy`` (the version the rule names);
+    """Submit step ``step``'s graph, generating from ``policy`` (the version the rule names, or a
+    :class:`PendingPolicy` of a step in flight: the step's stages then start once it is published);
     ``prev_train``: the previous step's train gate while that step is still in flight; ``attempt``
     numbers reruns of the step (new task keys); ``prepared``: :func:`prepare_step` created the
     step's group for ``policy``'s version and nothing has written to it since. Raises
@@ -338,6 +362,8 @@ def finish_iteration(pending: PendingIteration, on_stage: Callable[[str], None] 
                      timeout_s: float = 900.0) -> IterationResult:
     """Wait for a submitted step; returns its new policy version and metrics."""
     step, stages, start = pending.step, pending.stages, pending.start
+    if isinstance(pending.policy, PendingPolicy):  # submitted ahead: it starts once its version is out
+        start = max(start, pending.policy.done_at.get(pending.policy.publish.key, start))
     # A future may end several stages (a scoring task writes rewards and advantages), in stage order.
     stages_of: dict[str, list[str]] = {}
     for s in stages.values():

@@ -7,9 +7,12 @@ policy version it published and the optimiser state saved with it, against the r
 complete stage. A folder started with another config is refused (flows/preflight.py), and
 ``new=True`` starts over in a fresh folder instead (docs/reliability.md).
 
-rollout.max_staleness s: up to s + 1 steps are in flight; step k is submitted once step k - s - 1
-has finished and generates from version max(0, k - s) (flows/async_schedule.py). Steps finish, and
-are logged, in order. s = 0 submits each step after the previous one finished: the synchronous loop.
+rollout.max_staleness s: step k generates from version max(0, k - s), which step k - s - 1
+publishes (flows/async_schedule.py). Step k is submitted once step k - s - 2 has finished, so up to
+s + 2 steps are in flight: while step k - s - 1 runs, step k's tasks wait on its publish task, and
+the scheduler starts step k's rollout as soon as the version is out, without a round trip through
+the loop (its lineage, the next submission). Steps finish, and are logged, in order. s = 0 is the
+synchronous loop: step k generates from the version step k - 1 has just published.
 
 Losing a training worker: the step ends with a WorkerLostError (flows/iteration.py); every rank
 then gets a fresh worker process, is rebuilt from the trainer's version (weights and optimiser
@@ -37,8 +40,8 @@ from flows.background import BackgroundQueue
 from flows.async_schedule import behaviour_version, released_by, trainer_version
 from flows.cluster import (ClusterError, Pools, check_pools, dashboard_link, lost_workers, restart_train_workers,
                            start_cluster)
-from flows.iteration import (STAGES, IterationError, IterationResult, PendingIteration, WorkerLostError,
-                             finish_iteration, prepare_step, submit_iteration)
+from flows.iteration import (STAGES, IterationError, IterationResult, PendingIteration, PendingPolicy, Policy,
+                             WorkerLostError, finish_iteration, prepare_step, submit_iteration)
 from flows.preflight import preflight
 from flows.schema import GRPOConfig, config_hash, config_to_dict
 from stages.policy.tokenizer import TextCodec
@@ -294,15 +297,26 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
                     q.cancel()
                 pools = restart_train_workers(client, cfg, pools)
                 _init_ranks(client, cfg, pools, trainer)
-                pending = submit_iteration(client, cfg, pools, folder, pending.step, pending.policy,
-                                           attempt=attempt + 1)
                 in_flight.clear()
-                prev = pending.train_gate
-                for q in later:
-                    in_flight.append(submit_iteration(client, cfg, pools, folder, q.step, q.policy, prev,
+                pending = submit_iteration(client, cfg, pools, folder, pending.step, policy_for(pending.policy.version),
+                                           attempt=attempt + 1)
+                prev, resubmitted = pending.train_gate, [pending]
+                for q in later:  # a version a resubmitted step publishes: its new publish task
+                    in_flight.append(submit_iteration(client, cfg, pools, folder, q.step,
+                                                      policy_for(q.policy.version, resubmitted), prev,
                                                       attempt=attempt + 1))
                     prev = in_flight[-1].train_gate
+                    resubmitted.append(in_flight[-1])
         raise AssertionError("unreachable")
+
+    def policy_for(version: int, flight=None) -> Policy:
+        """Version ``version``: published, or a :class:`PendingPolicy` when a step in ``flight``
+        (default: the steps in flight) publishes it."""
+        maker = next((q for q in (in_flight if flight is None else flight) if q.step + 1 == version), None)
+        if maker is not None:
+            return PendingPolicy(version, str(folder.policy_store().version_path(version)),
+                                 maker.stages["publish"].gate, maker.done_at)
+        return published.get(version) or folder.policy_store().ref(version)
 
     def log_step(handle: Future, result: IterationResult, plot_rows: list[dict] | None) -> None:
         """The step's lineage (on the background queue's thread), then its "lineage" mark: written
@@ -380,20 +394,24 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
 
     try:
         for step in range(first_step, cfg.iterations):
-            # Step k waits for step k - s - 1, which publishes the version k asks for.
+            # Step k asks for the version step k - s - 1 publishes. It is submitted while that step
+            # is still in flight, its tasks waiting on that step's publish task: the scheduler starts
+            # its rollout the moment the version is out, with no round trip through this loop.
             release = released_by(step, s)
-            while in_flight and release is not None and in_flight[0].step <= release:
+            while in_flight and release is not None and in_flight[0].step < release:
                 finish_oldest()
+            if weight_sync.engines_moved(client, cfg, pools):  # a replaced engine rejoins the channel
+                while in_flight:  # once the training workers are idle
+                    finish_oldest()
+                weight_sync.reopen_if_engines_moved(client, cfg, pools, policy_for(behaviour_version(step, s)))
             version = behaviour_version(step, s)
             # A resumed run's first steps may ask for versions published by the earlier process.
-            behaviour = published.get(version) or folder.policy_store().ref(version)
-            if not in_flight:  # the training workers are idle: a replaced engine may rejoin the channel
-                weight_sync.reopen_if_engines_moved(client, cfg, pools, behaviour)
+            behaviour = policy_for(version)
             prev_train = in_flight[-1].train_gate if in_flight else ()
             # The child run spans the step from its submission (opened on the background queue's thread);
-            # an interrupted process may have opened child runs for the steps it had in flight.
+            # an interrupted process may have opened child runs for the steps it had in flight (s + 2).
             handles[step] = queue.submit(lineage.start_step, step, version, start_time_ms=int(time.time() * 1000),
-                                         reopen=step <= first_step + s)
+                                         reopen=step <= first_step + s + 1)
             in_flight.append(submit_iteration(client, cfg, pools, folder, step, behaviour, prev_train,
                                               prepared=take_prepared(step)))
             if step + 1 < cfg.iterations:  # its Zarr group, while this step runs

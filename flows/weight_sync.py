@@ -39,7 +39,7 @@ from stages.train.rendezvous import free_port
 from storage.model_folder import load_hf_config
 from storage.policies import PolicyRef
 
-__all__ = ["open_channel", "reopen_if_engines_moved", "close_channel", "connect_sender", "send_version",
+__all__ = ["engines_moved", "open_channel", "reopen_if_engines_moved", "close_channel", "connect_sender", "send_version",
            "start_receiver", "received_version", "close_endpoints", "step_metrics"]
 
 log = logging.getLogger(__name__)
@@ -106,14 +106,20 @@ def open_channel(client: Client, cfg: GRPOConfig, pools: Pools, policy: PolicyRe
                     sync.channel, errors[0])
 
 
-def reopen_if_engines_moved(client: Client, cfg: GRPOConfig, pools: Pools, policy: PolicyRef) -> None:
-    """Open the channel again when an engine worker was replaced (a new process at a new address)
-    since it opened and every engine is up now. Call it only when no step is in flight."""
+def engines_moved(client: Client, cfg: GRPOConfig, pools: Pools) -> bool:
+    """Whether the run's channel is open and an engine worker was replaced (a new process at a new
+    address) since it opened, every engine being up now (one scheduler round trip, memory sync only)."""
     if cfg.cluster.weight_sync != "memory" or cfg.run_name not in _OPEN:
-        return
+        return False
     engines = _OPEN[cfg.run_name]
     now = worker_addresses(client)
-    if all(n in now for n in pools.rollout) and any(engines.get(n) != now[n] for n in pools.rollout):
+    return all(n in now for n in pools.rollout) and any(engines.get(n) != now[n] for n in pools.rollout)
+
+
+def reopen_if_engines_moved(client: Client, cfg: GRPOConfig, pools: Pools, policy: PolicyRef) -> None:
+    """Open the channel again when :func:`engines_moved`. Call it only when no step is in flight."""
+    if engines_moved(client, cfg, pools):
+        engines, now = _OPEN[cfg.run_name], worker_addresses(client)
         log.warning("weight sync: engine worker(s) %s changed; reopening the channel",
                     ", ".join(n for n in pools.rollout if engines.get(n) != now[n]))
         open_channel(client, cfg, pools, policy)

@@ -202,17 +202,23 @@ def _rollout_model(cfg: GRPOConfig, engine_key: str, policy: PolicyRef) -> tuple
         return held[1], held[2], {"weight_load_seconds": 0.0, "weights_from": "held"}
     t0 = time.perf_counter()
     received, why = weight_sync.received_version(cfg, policy.version)
-    if received is not None and held is not None:  # into the model the engine holds
+    if received is not None:
+        hf_config, tensors = None, received.tensors
+    else:
+        hf_config, _, tensors = load_model_folder(policy.path)
+    if held is not None and (received is not None or held[1].cfg == DecoderConfig.from_hf(hf_config)):
+        # Into the model the engine holds (a version of the same architecture): no new modules to
+        # build and initialise. Half-copied weights belong to no version: a failed load leaves the
+        # engine holding none, so the next task loads its version whole instead of using these.
         model, codec = held[1], held[2]
-        # Half-copied weights belong to no version: a failed load leaves the engine holding none,
-        # so the next task loads its version whole instead of using these.
         _ROLLOUT_MODELS.pop(engine_key, None)
         _ROLLOUT_VERSIONS.pop(engine_key, None)
-        load_hf_state(model, received.tensors)
+        load_hf_state(model, tensors)
     else:
-        hf_config, _, tensors = load_model_folder(policy.path, names=set() if received else None)
+        if hf_config is None:
+            hf_config, _, _ = load_model_folder(policy.path, names=set())
         model = build_stage(DecoderConfig.from_hf(hf_config))
-        load_hf_state(model, received.tensors if received else tensors)
+        load_hf_state(model, tensors)
         model.eval()
         codec = TextCodec.from_policy_folder(policy.path, cfg.dataset.chat_template)
     # The version tag: the version the sync's header carried, or the folder's.

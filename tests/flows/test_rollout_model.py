@@ -54,3 +54,18 @@ def test_a_failed_in_place_load_leaves_no_version_held(engine):
     assert load["weights_from"] == "disk" and again is not model
     got = hf_state(again)
     assert all(torch.equal(got[k], states[1][k]) for k in states[1])
+
+
+def test_a_version_from_disk_loads_into_the_held_model_of_its_architecture(engine):
+    cfg, key, states, refs, monkeypatch = engine
+    first, _, _ = tasks._rollout_model(cfg, key, refs[1])
+    second, _, load = tasks._rollout_model(cfg, key, refs[2])
+    assert load["weights_from"] == "disk" and second is first and tasks._ROLLOUT_VERSIONS[key] == 2
+    got = hf_state(second)
+    assert all(torch.equal(got[k], states[2][k]) for k in states[2])
+    # Another architecture (another run's model on a shared engine) gets a model of its own.
+    wide = make_decoder_config(hidden_size=48, head_dim=12)
+    ref3 = PolicyStore(refs[1].path.rsplit("/", 1)[0]).save_policy(
+        3, wide.to_hf(), make_tokenizer_json(), hf_state(make_model(wide, seed=3)))
+    third, _, _ = tasks._rollout_model(cfg, key, ref3)
+    assert third is not second and third.cfg == wide

@@ -131,10 +131,17 @@ def _resume_point(cfg: GRPOConfig, folder: RunFolder) -> tuple[int, int | None]:
     """(first step to run, policy version to start from) of an existing run folder."""
     store, policies = folder.rollout_store(), folder.policy_store()
     step = 0
-    # A step counts once its metrics are stored and logged (the "lineage" mark, written last).
-    while step < cfg.iterations and {"publish", "lineage"} <= store.completed(step) and policies.is_complete(step + 1):
+    # A step counts once its metrics are stored and logged (the "lineage" mark, written last, with
+    # them): summary.json is built from the stored metrics of every step this process does not run.
+    while step < cfg.iterations and _logged(store, step) and policies.is_complete(step + 1):
         step += 1
     return step, (step if policies.is_complete(step) else None)
+
+
+def _logged(store, step: int) -> bool:
+    """Whether step ``step`` is published and logged, its metrics stored with its "lineage" mark."""
+    attrs = store.attrs(step) if store.has_step(step) else {}
+    return {"publish", "lineage"} <= set(attrs.get("complete", ())) and "metrics" in attrs
 
 
 def remaining_steps(cfg: GRPOConfig) -> range:
@@ -476,7 +483,17 @@ def _summarise(cfg: GRPOConfig, lineage: Lineage, tracking_uri: str, folder: Run
     seconds of the pools); wall_seconds is this process's."""
     store = folder.rollout_store()
     ran = {r.step: r.metrics for r in results}
-    metrics = [{**store.attrs(step)["metrics"], **ran.get(step, {})} for step in range(cfg.iterations)]
+    metrics = []
+    for step in range(cfg.iterations):
+        attrs = store.attrs(step)
+        if "metrics" not in attrs:  # its "lineage" mark is gone since it was written
+            marks = ", ".join(attrs.get("complete", [])) or "none"
+            if step not in ran:
+                raise IterationError(f"step {step} of {folder.rollouts} has no stored metrics (marks: {marks}); "
+                                     "rerun the run to log it again")
+            log.warning("step %d of %s lost its stored metrics after this process logged it (marks: %s)",
+                        step, folder.rollouts, marks)
+        metrics.append({**attrs.get("metrics", {}), **ran.get(step, {})})
     names = STAGES + tuple(s for s in _EXTRA_STAGES if any(f"{s}_seconds" in m for m in metrics))
     last = folder.policy_store().ref(cfg.iterations)
     return RunSummary(

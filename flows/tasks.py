@@ -307,7 +307,7 @@ def score_task(cfg: GRPOConfig, ref: StepRef, policy_path: str, start: int, stop
     advantages in one call: the reward and advantage stages of that range. Returns the range's
     reward statistics (the step's when the range is the whole step)."""
     store = RolloutStore(ref.root)
-    rows = store.read(ref.step, "prompt_ids", "prompt_len", "tokens", "length", start=start, stop=stop)
+    rows = store.read(ref.step, "tokens", "length", start=start, stop=stop)
     G = cfg.rollout.group_size
     records = _records(cfg, policy_path, ref.step, start // G, stop // G)
     scored = score_rows(_codec(cfg, policy_path), rows, records, G, cfg.reward)

@@ -71,16 +71,20 @@ def decode_rows(codec: TextCodec, rows: dict[str, np.ndarray]) -> tuple[list[str
     """(prompt texts, completion texts) of stored rows (prompt_ids, prompt_len, tokens, length)."""
     n = len(rows["length"])
     prompts = [codec.decode(rows["prompt_ids"][i, : rows["prompt_len"][i]].tolist()) for i in range(n)]
-    completions = [codec.decode(rows["tokens"][i, : rows["length"][i]].tolist()) for i in range(n)]
-    return prompts, completions
+    return prompts, decode_completions(codec, rows)
+
+
+def decode_completions(codec: TextCodec, rows: dict[str, np.ndarray]) -> list[str]:
+    """The completion texts of stored rows (tokens, length)."""
+    return [codec.decode(rows["tokens"][i, : rows["length"][i]].tolist()) for i in range(len(rows["length"]))]
 
 
 def score_rows(codec: TextCodec, rows: dict[str, np.ndarray], records: Sequence[PromptRecord], group_size: int,
                reward: RewardConfig) -> ScoredGroups:
-    """Rewards of stored rows (whole groups; ``records`` are their prompts, one per group): the
-    completions are decoded, the prompt text and the record's fields (``answer`` ...) come from the
+    """Rewards of stored rows (tokens, length; whole groups; ``records`` are their prompts, one per
+    group): the completions are decoded, the prompt text and the record's fields (``answer`` ...) come from the
     record, so a reward judges the prompt as written, not its chat-templated tokens."""
-    _, completions = decode_rows(codec, rows)
+    completions = decode_completions(codec, rows)
     if len(completions) != len(records) * group_size:
         raise ValueError(f"{len(completions)} rows are not {len(records)} groups of {group_size}")
     prompts = [r.prompt for r in records for _ in range(group_size)]

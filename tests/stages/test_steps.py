@@ -71,7 +71,8 @@ def test_decode_and_score_stored_rows():
     assert decode_rows(codec, rows) == (prompts, answers)
     records = [PromptRecord(i, p, tuple(rows["prompt_ids"][i, :rows["prompt_len"][i]]), str(eval_sum))
                for i, (p, eval_sum) in enumerate(zip(prompts, (19, 48)))]
-    scored = score_rows(codec, rows, records, 1, RewardConfig(functions=["exact_match"], timeout_s=5.0))
+    completions = {k: rows[k] for k in ("tokens", "length")}  # all a scoring task reads of the step
+    scored = score_rows(codec, completions, records, 1, RewardConfig(functions=["exact_match"], timeout_s=5.0))
     np.testing.assert_array_equal(scored.reward, [1.0, 0.0])
     assert not scored.failed.any()
 

@@ -19,7 +19,7 @@ Two terms price the host the sync run measured on. H (``handoff``) is what the r
 two of their tasks, a dispatch through the scheduler (the sync run's train_handoff_seconds, from a
 rank's reference pass to its train task): the synchronous path pays it inside L, but in the
 asynchronous steady state the training chain runs back to back, two hand-offs a step (train -> next
-reference -> train; the first also passes the train stage's completion gate, so 2H is a floor). C
+reference -> train, each waiting on the tasks before it, with no gate task between them). C
 (``host_cpu``) is the CPU seconds a step costs every process of the run on the host (workers,
 driver, scheduler, reward processes: the sync run's host_cpu_seconds) and n the host's cores: no
 schedule runs a step in less than C / n. Without them (None / 0) the model is the pure overlap of

@@ -4,6 +4,8 @@ and a summary that would miss a step's metrics names the step instead of raising
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from flows.config import load_config
@@ -24,7 +26,7 @@ def folder_with_steps(tmp_path):
         store.create_step(step, step_layout(cfg), step, config_hash(cfg))
     for v in range(4):
         policies.version_path(v).mkdir(parents=True)
-        (policies.version_path(v) / "grpoflow.json").write_text("{}")
+        (policies.version_path(v) / "grpoflow.json").write_text('{"sha256": "0", "num_bytes": 0}')
     return cfg, folder, store
 
 
@@ -50,3 +52,14 @@ def test_a_summary_missing_a_steps_metrics_names_the_step(folder_with_steps):
     store.mark_complete(1, tuple(DONE))
     with pytest.raises(IterationError, match=r"step 1 of .* has no stored metrics \(marks: rollout, .*publish\)"):
         _summarise(cfg, None, "", folder, [], 0.0)
+
+
+def test_a_step_this_process_ran_is_summarised_from_what_it_measured(folder_with_steps, caplog):
+    cfg, folder, store = folder_with_steps
+    for step in range(2):
+        store.mark_complete(step, (*DONE, "lineage"), metrics={"loss": float(step), "lineage_seconds": 0.5})
+    store.mark_complete(2, tuple(DONE))  # its lineage mark lost after this process logged the step
+    ran = [SimpleNamespace(step=1, metrics={"loss": 10.0}), SimpleNamespace(step=2, metrics={"loss": 20.0})]
+    summary = _summarise(cfg, SimpleNamespace(run_id="r"), "", folder, ran, 0.0)
+    assert [(m["loss"], m.get("lineage_seconds")) for m in summary.metrics] == [(0.0, 0.5), (10.0, 0.5), (20.0, None)]
+    assert "step 2 of" in caplog.text and "lost its stored metrics" in caplog.text

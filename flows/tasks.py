@@ -203,7 +203,7 @@ def _rollout_model(cfg: GRPOConfig, engine_key: str, policy: PolicyRef) -> tuple
     t0 = time.perf_counter()
     received, why = weight_sync.received_version(cfg, policy.version)
     if received is not None:
-        hf_config, tensors = None, received.tensors
+        tensors = received.tensors
     else:
         hf_config, _, tensors = load_model_folder(policy.path)
     if held is not None and (received is not None or held[1].cfg == DecoderConfig.from_hf(hf_config)):
@@ -215,7 +215,7 @@ def _rollout_model(cfg: GRPOConfig, engine_key: str, policy: PolicyRef) -> tuple
         _ROLLOUT_VERSIONS.pop(engine_key, None)
         load_hf_state(model, tensors)
     else:
-        if hf_config is None:
+        if received is not None:  # only the folder's config
             hf_config, _, _ = load_model_folder(policy.path, names=set())
         model = build_stage(DecoderConfig.from_hf(hf_config))
         load_hf_state(model, tensors)

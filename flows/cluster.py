@@ -69,6 +69,14 @@ class Pools:
 # trim only beyond 256 MiB free.
 WORKER_MALLOC_ENV = {"MALLOC_TRIM_THRESHOLD_": str(256 << 20), "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
 
+# Periodic work of every Dask server of the embedded cluster (the scheduler and the nannies in the
+# driver, each worker): the event-loop health tick (default every 20 ms) and the psutil system
+# monitor (default every 500 ms). With the defaults an idle embedded cluster of the tiny config
+# keeps 15% of a core busy; these leave 3% (docs/performance.md). A tick of 500 ms still catches
+# an event loop blocked past distributed.admin.tick.limit (3 s); the monitor feeds only the
+# dashboard's host graphs.
+CLUSTER_TIMERS = {"distributed.admin.tick.interval": "500ms", "distributed.admin.system-monitor.interval": "2s"}
+
 
 class _NannyCluster(SpecCluster):
     """A SpecCluster that keeps every nanny until the cluster closes.
@@ -117,6 +125,7 @@ def start_cluster(cfg: GRPOConfig) -> tuple[Client, SpecCluster | None]:
     os.environ.update(WORKER_MALLOC_ENV)
     settings = {f"distributed.nanny.pre-spawn-environ.{k}": v for k, v in WORKER_MALLOC_ENV.items()}
     settings["distributed.worker.profile.enabled"] = cfg.cluster.worker_profiler  # the nanny hands it on
+    settings.update(CLUSTER_TIMERS)
     with dask.config.set(settings):
         cluster = _NannyCluster(workers=workers, scheduler=scheduler, silence_logs=logging.WARNING,
                                 name="grpoflow")

@@ -128,7 +128,8 @@ def baseline_iterations(cfg: GRPOConfig, policy_path: str) -> list[dict[str, flo
         torch.nn.utils.clip_grad_norm_(policy.parameters(), t.max_grad_norm)
         optimizer.step()
         t4 = time.perf_counter()
-        out.append({"iteration_seconds": t4 - t0, "rollout_seconds": t1 - t0, "reward_advantage_seconds": t2 - t1,
+        out.append({"iteration_seconds": t4 - t0, "rollout_seconds": t1 - t0,
+                    "rollout_compute_seconds": rows.metrics["rollout_seconds"], "reward_advantage_seconds": t2 - t1,
                     "reference_seconds": t3 - t2, "train_seconds": t4 - t3,
                     "train_token_slots_per_real_token": float(batch.slots_per_real_token),
                     "train_passes": float(len(_passes(batch))),
@@ -146,8 +147,9 @@ _FLOW_KEYS = ("step_window_seconds", "iteration_seconds", "rollout_seconds", "ro
               "train_step_seconds", "publish_seconds", "host_cpu_seconds",
               "train_token_slots_per_real_token", "train_passes",
               "completion_length_mean")
-_BASE_KEYS = ("iteration_seconds", "rollout_seconds", "reward_advantage_seconds", "reference_seconds",
-              "train_seconds", "train_token_slots_per_real_token", "train_passes")
+_BASE_KEYS = ("iteration_seconds", "rollout_seconds", "rollout_compute_seconds", "reward_advantage_seconds",
+              "reference_seconds", "train_seconds", "train_token_slots_per_real_token", "train_passes",
+              "completion_length_mean")
 
 
 def main() -> None:

@@ -1,8 +1,8 @@
 """CPU an idle embedded cluster costs: Dask's own timers against flows/cluster.py CLUSTER_TIMERS.
 
 Starts the tiny config's embedded cluster (scheduler and nannies in this process, four worker
-processes) with Dask's default event-loop tick (20 ms) and system monitor (500 ms), then with the
-project's settings, alternating ``--rounds`` times; each time it waits for the workers to settle and
+processes) with Dask's default event-loop tick (20 ms) and system monitor (500 ms), with the
+project's tick alone, and with both of the project's settings, alternating ``--rounds`` times; each time it waits for the workers to settle and
 then measures the CPU seconds of this process and of every worker over ``--seconds`` with no task
 running. Prints the medians as percent of one core.
 
@@ -17,7 +17,6 @@ import time
 
 import psutil
 
-import flows.cluster as cluster_mod
 from flows.cluster import CLUSTER_TIMERS, start_cluster
 from flows.config import load_config
 
@@ -26,11 +25,7 @@ _SETTLE_S = 3.0  # workers import torch and join; their start-up is not idle tim
 
 def _idle_percent(timers: dict[str, str], seconds: float) -> tuple[float, float]:
     """(this process, all workers) CPU percent of one core while the cluster idles."""
-    cluster_mod.CLUSTER_TIMERS = timers  # start_cluster applies what this names
-    try:
-        client, cluster = start_cluster(load_config("configs/tiny.yaml", []))
-    finally:
-        cluster_mod.CLUSTER_TIMERS = CLUSTER_TIMERS
+    client, cluster = start_cluster(load_config("configs/tiny.yaml", []), timers)
     try:
         time.sleep(_SETTLE_S)
         me = psutil.Process()
@@ -54,7 +49,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=10.0)
     args = parser.parse_args()
-    variants = {"Dask defaults": {}, "CLUSTER_TIMERS": CLUSTER_TIMERS}
+    tick = "distributed.admin.tick.interval"
+    variants = {"Dask defaults": {}, f"tick {CLUSTER_TIMERS[tick]} only": {tick: CLUSTER_TIMERS[tick]},
+                "CLUSTER_TIMERS": CLUSTER_TIMERS}
     runs: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
     for _ in range(args.rounds):
         for name, timers in variants.items():

@@ -97,8 +97,9 @@ def _worker(resources: dict[str, int]) -> dict:
     return {"cls": Nanny, "options": {"nthreads": 1, "resources": resources, "memory_limit": 0}}
 
 
-def start_cluster(cfg: GRPOConfig) -> tuple[Client, SpecCluster | None]:
-    """A client on the configured scheduler, or on a new embedded cluster sized for ``cfg``."""
+def start_cluster(cfg: GRPOConfig, timers: dict[str, str] = CLUSTER_TIMERS) -> tuple[Client, SpecCluster | None]:
+    """A client on the configured scheduler, or on a new embedded cluster sized for ``cfg`` whose
+    Dask servers run with the config settings ``timers`` ({}: Dask's own)."""
     if cfg.cluster.scheduler_address:
         client = Client(cfg.cluster.scheduler_address, timeout="30s")
         _announce_dashboard(client)
@@ -125,7 +126,7 @@ def start_cluster(cfg: GRPOConfig) -> tuple[Client, SpecCluster | None]:
     os.environ.update(WORKER_MALLOC_ENV)
     settings = {f"distributed.nanny.pre-spawn-environ.{k}": v for k, v in WORKER_MALLOC_ENV.items()}
     settings["distributed.worker.profile.enabled"] = cfg.cluster.worker_profiler  # the nanny hands it on
-    settings.update(CLUSTER_TIMERS)
+    settings.update(timers)
     with dask.config.set(settings):
         cluster = _NannyCluster(workers=workers, scheduler=scheduler, silence_logs=logging.WARNING,
                                 name="grpoflow")

@@ -19,7 +19,14 @@ non-embedding parameter per token plus attention's 4 * L * q_dim * context, Kapl
 Sec. 2.1) is compared with a plain matmul of the decode shapes ([128, 512] x each weight matrix).
 Speculative decoding (k = 2, 4; draft = first 2 layers + head) is timed on ``skewed``.
 
+On the CPU the engines are compared by CPU seconds (what each used on a shared machine). With
+``--device cuda`` (``--dtype`` auto: bfloat16) only ``paged`` and ``hf`` run, both on the GPU in that
+dtype, timed by wall clock with the device synchronised, and the matmul reference is the same
+decode shapes on the GPU. ``--prompts`` scales the batch (16 is the CPU workload; a GPU needs more
+rows to fill).
+
     .venv/bin/python benchmarks/rollout.py [--threads 1] [--reps 1] [--only skewed|fixed|speculative] [--no-hf]
+    python3 benchmarks/rollout.py --device cuda --reps 3 --prompts 16 --prompts 128   # on a GPU machine
 """
 
 from __future__ import annotations
@@ -36,11 +43,13 @@ from stages.policy import DecoderConfig, build_stage, to_hf_name
 from stages.rollout import EngineConfig, SamplingParams, generate
 from stages.rollout import engine as engine_module
 from stages.rollout.paged_kv import PagedKVCache
+from stages.rollout.engine import engine_placement
 from stages.rollout.speculative import draft_from_target, generate_speculative
 
 _CFG = DecoderConfig(vocab_size=2560, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
                      num_attention_heads=8, num_key_value_heads=8, head_dim=64, eos_token_id=1, pad_token_id=0)
 _PROMPTS, _G, _MAX_NEW = 16, 8, 64
+_DEVICE, _DTYPE = torch.device("cpu"), torch.float32  # main() sets them from --device / --dtype
 _EOS = 1
 _EOS_LOGIT = 4.4  # vs 2,559 near-uniform logits (std ~0.45): p(EOS) ~ 3% a token, most completions far below 64
 
@@ -59,9 +68,13 @@ def make_model(seed: int = 0) -> torch.nn.Module:
     return model.eval()
 
 
-def make_prompts(seed: int = 0) -> list[list[int]]:
+def make_prompts(seed: int = 0, num: int = _PROMPTS) -> list[list[int]]:
     rng = np.random.default_rng(seed)
-    return [rng.integers(2, _CFG.vocab_size, rng.integers(16, 49)).tolist() for _ in range(_PROMPTS)]
+    return [rng.integers(2, _CFG.vocab_size, rng.integers(16, 49)).tolist() for _ in range(num)]
+
+
+def _on_gpu() -> bool:
+    return _DEVICE.type == "cuda"
 
 
 # -- the previous engine: one static batch over a prefix-shared flat cache ---------------------------------
@@ -175,8 +188,8 @@ def hf_model(model) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hf = LlamaForCausalLM(LlamaConfig(**_CFG.to_hf())).eval()
-    hf.load_state_dict({to_hf_name(k): v for k, v in model.state_dict().items()})
-    return hf
+    hf.load_state_dict({to_hf_name(k): v.float().cpu() for k, v in model.state_dict().items()})
+    return hf.to(device=_DEVICE, dtype=_DTYPE)
 
 
 @torch.no_grad()
@@ -185,17 +198,18 @@ def hf_generate(hf, prompts, params: SamplingParams, seed: int) -> np.ndarray:
     torch.manual_seed(seed)
     rows = [p for p in prompts for _ in range(params.group_size)]
     width = max(len(p) for p in rows)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in rows])
-    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in rows], device=_DEVICE)
+    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], device=_DEVICE)
     stop = list(params.stop_ids) or None
     out = hf.generate(ids, attention_mask=attn, do_sample=True, max_new_tokens=params.max_new_tokens,
                       temperature=params.temperature, top_k=0, top_p=1.0, eos_token_id=stop, pad_token_id=0,
                       output_scores=True, return_dict_in_generate=True, min_new_tokens=0)
     new = out.sequences[:, width:]
-    logp = torch.stack([torch.log_softmax(s, -1) for s in out.scores], 1).gather(-1, new[..., None])
+    logp = torch.stack([torch.log_softmax(s.float(), -1) for s in out.scores], 1).gather(-1, new[..., None])
     assert logp.shape[:2] == new.shape
     if stop is None:
         return np.full(len(rows), new.shape[1])
+    new = new.cpu()
     is_stop = torch.isin(new, torch.tensor(stop))
     first = torch.where(is_stop.any(1), is_stop.float().argmax(1) + 1, torch.tensor(new.shape[1]))
     return first.numpy()
@@ -221,54 +235,65 @@ def model_flops(model, prompts, lengths: np.ndarray) -> float:
 
 
 def matmul_flops_per_s(model, batch: int, reps: int = 20) -> float:
-    """FLOP per CPU-second of F.linear over [batch, in] x every decode weight, back to back (best of reps)."""
+    """FLOP per CPU-second (on a GPU: per second, synchronised) of F.linear over [batch, in] x every
+    decode weight, back to back (best of reps)."""
     ws = _weights(model)
-    xs = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in ws}
+    xs = {w.shape[1]: torch.randn(batch, w.shape[1], device=w.device, dtype=w.dtype) for w in ws}
     best = float("inf")
     for _ in range(reps):
-        t = time.process_time()
-        for w in ws:
-            F.linear(xs[w.shape[1]], w)
-        best = min(best, time.process_time() - t)
+        wall, cpu, _ = _timed(lambda: [F.linear(xs[w.shape[1]], w) for w in ws])
+        best = min(best, wall if _on_gpu() else cpu)
     return 2 * batch * sum(w.numel() for w in ws) / best
+
+
+def _sync() -> None:
+    if _on_gpu():
+        torch.cuda.synchronize(_DEVICE)
 
 
 def _timed(fn):
     """(wall seconds, CPU seconds of this process, result): CPU time is what the run itself used on a
-    shared machine, wall time also counts waiting for a core."""
+    shared machine, wall time also counts waiting for a core (on a GPU, the device's work is waited
+    for before the clock stops)."""
+    _sync()
     wall, cpu = time.perf_counter(), time.process_time()
     out = fn()
+    _sync()
     return time.perf_counter() - wall, time.process_time() - cpu, out
 
 
 def _compare(model, hf, prompts, name: str, stop: tuple[int, ...], reps: int) -> None:
     params = SamplingParams(_G, _MAX_NEW, 1.0, 1.0, stop, 0)
+    clock = 0 if _on_gpu() else 1  # which of (wall, cpu) decides "best" and the ratios
+    unit = "s" if _on_gpu() else "cpu-s"
     best: dict[str, tuple[float, float, np.ndarray]] = {}
     for rep in range(reps):
-        runs = {
-            "paged": lambda: generate(model, prompts, params, torch.Generator().manual_seed(rep)).length,
-            "gather": lambda: gather_generate(model, prompts, params, torch.Generator().manual_seed(rep)),
-            "static": lambda: static_generate(model, prompts, params, torch.Generator().manual_seed(rep)),
-        }
+        runs = {"paged": lambda: generate(model, prompts, params, torch.Generator().manual_seed(rep)).length}
+        if not _on_gpu():  # the earlier engines, kept for the CPU comparison only
+            runs["gather"] = lambda: gather_generate(model, prompts, params, torch.Generator().manual_seed(rep))
+            runs["static"] = lambda: static_generate(model, prompts, params, torch.Generator().manual_seed(rep))
         if hf is not None:
             runs["hf"] = lambda: hf_generate(hf, prompts, params, rep)
         for key, fn in runs.items():
-            wall, cpu, lengths = _timed(fn)
-            if key not in best or cpu < best[key][1]:
-                best[key] = (wall, cpu, lengths)
+            timed = _timed(fn)
+            if key not in best or timed[clock] < best[key][clock]:
+                best[key] = timed
     lengths = best["paged"][2]
-    print(f"\n[{name}] completion length mean {lengths.mean():.1f}, p50 {np.median(lengths):.0f}, "
-          f"max {lengths.max()}, at cap {np.mean(lengths == _MAX_NEW):.0%}")
-    base = lengths.sum() / best["paged"][1]
+    print(f"\n[{name}, {len(prompts)} prompts x G {_G}] completion length mean {lengths.mean():.1f}, "
+          f"p50 {np.median(lengths):.0f}, max {lengths.max()}, at cap {np.mean(lengths == _MAX_NEW):.0%}")
+    base = lengths.sum() / best["paged"][clock]
     for key, (wall, cpu, n) in best.items():
+        rate = n.sum() / (wall, cpu)[clock]
         print(f"  {key:7s} wall {wall:6.2f} s  cpu {cpu:6.2f} s  {n.sum() / cpu:6.0f} tok/cpu-s  "
-              f"{n.sum() / wall:6.0f} tok/s  paged / {key} = {base / (n.sum() / cpu):.2f}x (cpu)")
+              f"{n.sum() / wall:6.0f} tok/s  paged / {key} = {base / rate:.2f}x ({unit})")
     if name == "fixed":
-        mm = matmul_flops_per_s(model, _PROMPTS * _G)
+        rows = len(prompts) * _G
+        mm = matmul_flops_per_s(model, rows)
         fl = model_flops(model, prompts, lengths)
-        print(f"  matmul [128, *] x weights: {mm / 1e9:.1f} GFLOP/s (cpu)")
-        for key, (wall, cpu, n) in best.items():  # every engine generates the same 128 x 64 tokens here
-            print(f"  {key:7s} model FLOP/s: {fl / cpu / 1e9:.1f} GFLOP per cpu-s = {fl / cpu / mm:.0%} of matmul "
+        print(f"  matmul [{rows}, *] x weights: {mm / 1e9:.1f} GFLOP per {unit}")
+        for key, (wall, cpu, n) in best.items():  # every engine generates the same rows x 64 tokens here
+            t = (wall, cpu)[clock]
+            print(f"  {key:7s} model FLOP/s: {fl / t / 1e9:.1f} GFLOP per {unit} = {fl / t / mm:.0%} of matmul "
                   f"({fl / wall / 1e9:.1f} GFLOP/s wall)")
 
 
@@ -278,14 +303,15 @@ def _speculative(model, prompts, rows: int) -> None:
     prompts = prompts[: max(1, rows // G)]
     params = SamplingParams(G, _MAX_NEW, 1.0, 1.0, (), 0)
     draft = draft_from_target(model, 2)
-    _, plain, _ = _timed(lambda: generate(model, prompts, params, torch.Generator().manual_seed(0)))
-    print(f"\n[speculative, {len(prompts) * G} rows x {_MAX_NEW} tokens, draft = 2 of 8 layers] plain cpu {plain:.2f} s")
+    clock, unit = (0, "wall") if _on_gpu() else (1, "cpu")
+    plain = _timed(lambda: generate(model, prompts, params, torch.Generator().manual_seed(0)))[clock]
+    print(f"\n[speculative, {len(prompts) * G} rows x {_MAX_NEW} tokens, draft = 2 of 8 layers] plain {unit} {plain:.2f} s")
     for k in (2, 4):
-        _, cpu, (_, st) = _timed(lambda: generate_speculative(model, draft, prompts, params,
-                                                              torch.Generator().manual_seed(0), k))
+        timed = _timed(lambda: generate_speculative(model, draft, prompts, params, torch.Generator().manual_seed(0), k))
+        t, st = timed[clock], timed[2][1]
         a = st.acceptance
-        print(f"  k={k}: cpu {cpu:.2f} s, acceptance {a:.2f}, tokens per target forward {st.tokens_per_verify:.2f} "
-              f"(Leviathan Eq. 1: {(1 - a ** (k + 1)) / (1 - a):.2f}), speed-up {plain / cpu:.2f}x")
+        print(f"  k={k}: {unit} {t:.2f} s, acceptance {a:.2f}, tokens per target forward {st.tokens_per_verify:.2f} "
+              f"(Leviathan Eq. 1: {(1 - a ** (k + 1)) / (1 - a):.2f}), speed-up {plain / t:.2f}x")
 
 
 def main() -> None:
@@ -294,19 +320,28 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--only", choices=["skewed", "fixed", "speculative"])
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (rollout.device's spellings)")
+    ap.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (bfloat16 on CUDA)")
+    ap.add_argument("--prompts", type=int, action="append",
+                    help=f"prompts per batch (G {_G} rows each), repeatable; default {_PROMPTS}")
     args = ap.parse_args()
+    global _DEVICE, _DTYPE
+    _DEVICE, _DTYPE = engine_placement(args.device, args.dtype)
     torch.set_num_threads(args.threads)
-    model, prompts = make_model(), make_prompts()
+    model = make_model().to(device=_DEVICE, dtype=_DTYPE)
     hf = None if args.no_hf else hf_model(model)
     params_n = sum(p.numel() for p in model.parameters())
-    print(f"model {params_n / 1e6:.1f}M params, {_PROMPTS} prompts x G {_G}, <= {_MAX_NEW} new, threads {args.threads}")
-    if args.only in (None, "skewed"):
-        _compare(model, hf, prompts, "skewed", (_EOS,), args.reps)
-    if args.only in (None, "fixed"):
-        _compare(model, hf, prompts, "fixed", (), args.reps)
-    if args.only in (None, "speculative"):
-        _speculative(model, prompts, 4)
-        _speculative(model, prompts, _PROMPTS * _G)
+    where = torch.cuda.get_device_name(_DEVICE) if _on_gpu() else f"cpu, threads {args.threads}"
+    print(f"model {params_n / 1e6:.1f}M params, G {_G}, <= {_MAX_NEW} new, {where}, {_DTYPE}, torch {torch.__version__}")
+    for num in args.prompts or [_PROMPTS]:
+        prompts = make_prompts(num=num)
+        if args.only in (None, "skewed"):
+            _compare(model, hf, prompts, "skewed", (_EOS,), args.reps)
+        if args.only in (None, "fixed"):
+            _compare(model, hf, prompts, "fixed", (), args.reps)
+        if args.only in (None, "speculative"):
+            _speculative(model, prompts, 4)
+            _speculative(model, prompts, num * _G)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from stages.advantage import normalize_advantages
 from stages.data import PromptRecord, PromptSource, open_prompt_source
 from stages.policy import DecoderConfig, build_stage, load_hf_state
 from stages.policy.tokenizer import TextCodec
+from stages.rollout.engine import engine_placement
 from stages.rollout.rows import generate_rows
 from stages.steps import reward_statistics, score_rows, tiny_base_policy, tiny_max_positions, train_setup
 from stages.train.batch import build_global_batch
@@ -217,8 +218,9 @@ def _rollout_model(cfg: GRPOConfig, engine_key: str, policy: PolicyRef) -> tuple
     else:
         if received is not None:  # only the folder's config
             hf_config, _, _ = load_model_folder(policy.path, names=set())
-        model = build_stage(DecoderConfig.from_hf(hf_config))
-        load_hf_state(model, tensors)
+        device, dtype = engine_placement(cfg.rollout.device, cfg.rollout.dtype)
+        model = build_stage(DecoderConfig.from_hf(hf_config)).to(device=device, dtype=dtype)
+        load_hf_state(model, tensors)  # copies each tensor to the model's device and dtype
         model.eval()
         codec = TextCodec.from_policy_folder(policy.path, cfg.dataset.chat_template)
     # The version tag: the version the sync's header carried, or the folder's.

@@ -14,8 +14,12 @@ evaluates; with truncation the loss's untruncated log-prob is lower by the log o
 Randomness. One seed is drawn from the caller's generator; every token's uniform is a hash of
 (seed, prompt index, sample index, token index), so a sample does not depend on batching.
 
-Threads. The engine runs on the threads torch is given (``torch.set_num_threads``, decided by the
-caller); it starts none of its own.
+Threads and devices. The engine runs where the model's parameters are, in their dtype (the KV cache
+follows them; :func:`engine_placement` resolves ``rollout.device`` and ``rollout.dtype``). Scheduling,
+block tables and the uniforms stay on the host; each forward's inputs and index tensors are built
+there and moved to the device in one copy each, and the sampled tokens come back once per step.
+Sampling runs in float32 whatever the model's dtype. On the CPU the engine runs on the threads torch
+is given (``torch.set_num_threads``, decided by the caller); it starts none of its own.
 """
 
 from __future__ import annotations
@@ -32,10 +36,38 @@ from stages.rollout.paged_kv import PagedKVCache
 from stages.rollout.sampling import counter_uniforms, sample_from, truncated_logprobs
 
 __all__ = ["SamplingParams", "EngineConfig", "RolloutBatch", "FINISH_STOP", "FINISH_LENGTH", "generate",
-           "Rollout", "Runner", "assemble", "check_inputs", "draw_seed", "new_cache", "prefill_logits", "run_engine"]
+           "Rollout", "Runner", "assemble", "check_inputs", "draw_seed", "engine_placement", "new_cache",
+           "prefill_logits", "run_engine"]
 
 FINISH_STOP, FINISH_LENGTH = 0, 1
 _SEED_RANGE = 2 ** 62  # the seed drawn from the caller's generator
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def engine_placement(device: str = "auto", dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
+    """The engine's device and dtype from their config spellings: ``device`` cpu, cuda, cuda:N or
+    auto (cuda when torch sees a GPU, else cpu); ``dtype`` float32, bfloat16, float16 or auto
+    (bfloat16 on CUDA, float32 on the CPU)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"rollout.device={device!r} is not a device: use auto, cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"rollout.device={device!r}: the engine runs on cpu or cuda")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"rollout.device={device!r} but torch {torch.__version__} sees no CUDA device "
+                             f"(built for CUDA: {torch.version.cuda or 'no'}); use rollout.device=cpu or auto")
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"rollout.device={device!r} but torch sees {count} CUDA device(s)")
+    if dtype == "auto":
+        dtype = "bfloat16" if dev.type == "cuda" else "float32"
+    if dtype not in _DTYPES:
+        raise ValueError(f"rollout.dtype={dtype!r} is not one of auto, {', '.join(_DTYPES)}")
+    return dev, _DTYPES[dtype]
 
 
 @dataclass(frozen=True)
@@ -158,6 +190,10 @@ class Runner(Protocol):
         ...
 
 
+def _param(model: torch.nn.Module) -> torch.Tensor:
+    return next(model.parameters())
+
+
 def new_cache(model: DecoderStage, prompts: list[list[int]], params: SamplingParams, engine: EngineConfig,
               lookahead: int = 0) -> PagedKVCache:
     """A pool that never runs out, so admission waits only on ``max_num_seqs``.
@@ -173,7 +209,7 @@ def new_cache(model: DecoderStage, prompts: list[list[int]], params: SamplingPar
     n = engine.max_num_seqs
     blocks = min(sum(shared[:n]) + sum(own_rows[:n]), sum(shared) + sum(own_rows))
     return PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, page, blocks,
-                        len(prompts) * G, dtype=next(model.parameters()).dtype, group_size=G,
+                        len(prompts) * G, dtype=_param(model).dtype, device=_param(model).device, group_size=G,
                         num_lanes=min(n, len(prompts) * G),
                         max_own_tokens=params.max_new_tokens + lookahead)
 
@@ -192,10 +228,11 @@ def prefill_logits(model: DecoderStage, cache: PagedKVCache, prompts: list[list[
         s, d = cache.add_group(list(range(g * G, g * G + G)), lens[a])
         src += [a * L + t for t in s]
         dst += d
+    dev = _param(model).device
     cache.prepare_prefill(torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long), valid)
     positions = torch.arange(L).expand(len(groups), L)
-    logits = model(ids, positions, cache)
-    return logits[torch.arange(len(groups)), torch.tensor(lens) - 1]
+    logits = model(ids.to(dev), positions.to(dev), cache)
+    return logits[torch.arange(len(groups), device=dev), torch.tensor(lens, device=dev) - 1]
 
 
 class _PlainRunner:
@@ -209,7 +246,7 @@ class _PlainRunner:
         token = sample_from(logp, state.uniforms(r))
         tok_logp = logp.gather(-1, token[:, None]).squeeze(-1)
         live = []
-        for row, t, lp in zip(rows, token.tolist(), tok_logp.tolist()):
+        for row, t, lp in zip(rows, token.tolist(), tok_logp.tolist()):  # one copy each to the host
             if not state.record(row, t, lp):
                 self.cache.append(row)
                 live.append(row)
@@ -222,10 +259,11 @@ class _PlainRunner:
         return self._sample(state, rows, logits.repeat_interleave(G, dim=0))
 
     def step(self, state: Rollout, rows: list[int]) -> list[int]:
+        dev = _param(self.model).device
         ids = torch.tensor([int(state.tokens[r, state.length[r] - 1]) for r in rows])[:, None]
         positions = torch.tensor([state.position(r) for r in rows])[:, None]
-        self.cache.prepare_decode(rows, positions)
-        logits = self.model(ids, positions, self.cache)[:, -1]
+        self.cache.prepare_decode(rows, positions)  # host positions: the cache's bookkeeping reads them
+        logits = self.model(ids.to(dev), positions.to(dev), self.cache)[:, -1]
         return self._sample(state, rows, logits)
 
     def release(self, row: int) -> None:

@@ -216,7 +216,8 @@ class PagedKVCache:
             lanes.stale.clear()
             return
         idx = sorted(lanes.index[key] for key in lanes.stale)
-        slots = torch.tensor([slot for j in idx for slot in slots_of(lanes.seqs[j])], dtype=torch.long)
+        slots = torch.tensor([slot for j in idx for slot in slots_of(lanes.seqs[j])], dtype=torch.long
+                             ).to(self.k.device)
         L, kvh, d, n = self.num_layers, self.num_kv_heads, self.head_dim, len(idx)
         runs, start = [], 0  # runs of consecutive lanes: an admission is one run, a moved lane one
         for i in range(1, n + 1):
@@ -244,6 +245,8 @@ class PagedKVCache:
     # -- one forward ------------------------------------------------------------------------
     def prepare_prefill(self, src: torch.Tensor, dst: torch.Tensor, valid: torch.Tensor) -> None:
         """Prompts right-padded to [A, L]; ``src`` indexes the flattened [A*L] tokens, ``dst`` their slots."""
+        dev = self.k.device
+        src, dst, valid = src.to(dev), dst.to(dev), valid.to(dev)
         L = valid.shape[1]
         causal = torch.ones(L, L, dtype=torch.bool, device=valid.device).tril()
         # Right padding: a padded query still sees the valid keys before it, so no row is empty.
@@ -251,8 +254,8 @@ class PagedKVCache:
         self._step = ("prefill", src, dst, mask)
 
     def prepare_decode(self, seqs: list[int], positions: torch.Tensor) -> None:
-        """``positions`` [B, T]: logical indices of the T tokens each of ``seqs`` (every live
-        sequence, in the order of the forward's rows) feeds; their slots are reserved."""
+        """``positions`` [B, T] on the host: logical indices of the T tokens each of ``seqs`` (every
+        live sequence, in the order of the forward's rows) feeds; their slots are reserved."""
         if len(seqs) != len(self._lanes.seqs) or set(seqs) != self._lanes.index.keys():
             raise RuntimeError(f"a decode step feeds every live sequence: got {len(seqs)} of "
                                f"{len(self._lanes.seqs)} live")
@@ -284,7 +287,10 @@ class PagedKVCache:
         bias = torch.zeros(hidden.shape, dtype=self.k.dtype).masked_fill_(hidden, float("-inf"))  # (B, T, S+own)
         # Slot of lane j among its group's G query rows: group lane * G + sample index.
         query_slot = torch.tensor([self._groups.index[self._group_of[s][0]] * G + self._group_of[s][1] for s in seqs])
-        self._step = ("decode", write, own_write, to_lanes, lane, bias, query_slot)
+        # Built on the host from the block tables; one copy each to the pool's device (none on the CPU).
+        dev = self.k.device
+        self._step = ("decode", write.to(dev), own_write.to(dev), None if to_lanes is None else to_lanes.to(dev),
+                      lane.to(dev), bias.to(dev), query_slot.to(dev))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self._step[0] == "prefill":

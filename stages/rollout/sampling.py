@@ -60,6 +60,6 @@ def truncated_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top
 def sample_from(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inversion sampling: logp [N, V], u [N] in [0, 1) -> token [N], the first with cdf > u * total."""
     cdf = logp.double().exp().cumsum(-1)
-    x = (u.to(cdf.dtype) * cdf[:, -1])[:, None]
+    x = (u.to(device=cdf.device, dtype=cdf.dtype) * cdf[:, -1])[:, None]  # the uniforms come from the host
     # A zero-probability token never comes first above x, as its cdf equals its predecessor's.
     return torch.searchsorted(cdf, x, right=True).squeeze(-1).clamp(max=logp.shape[-1] - 1)

@@ -44,10 +44,12 @@ _DRAFT, _ACCEPT, _RESIDUAL = 1, 2, 3  # uniform streams
 
 
 def draft_from_target(target: DecoderStage, num_layers: int) -> DecoderStage:
-    """A draft sharing the target's embeddings, first ``num_layers`` layers, final norm and head."""
+    """A draft sharing the target's embeddings, first ``num_layers`` layers, final norm and head
+    (copies of them, on the target's device and in its dtype)."""
     if not 1 <= num_layers <= target.cfg.num_hidden_layers:
         raise ValueError(f"draft num_layers={num_layers} must be in [1, {target.cfg.num_hidden_layers}]")
-    draft = DecoderStage(target.cfg, 0, num_layers, is_first=True, is_last=True)
+    p = next(target.parameters())
+    draft = DecoderStage(target.cfg, 0, num_layers, is_first=True, is_last=True).to(device=p.device, dtype=p.dtype)
     draft.load_state_dict({k: v for k, v in target.state_dict().items() if k in draft.state_dict()})
     return draft.eval()
 
@@ -107,8 +109,9 @@ class _SpeculativeRunner:
 
     def step(self, state: Rollout, rows: list[int]) -> list[int]:
         k, r = self.k, np.asarray(rows)
-        last = torch.tensor([int(state.tokens[i, state.length[i] - 1]) for i in rows])
-        pos0 = torch.tensor([state.position(i) for i in rows])
+        dev = next(self.target.parameters()).device
+        last = torch.tensor([int(state.tokens[i, state.length[i] - 1]) for i in rows]).to(dev)
+        pos0 = torch.tensor([state.position(i) for i in rows])  # on the host, as the caches read it
         # 1) draft: k + 1 one-token forwards; q[:, j] is the draft distribution of draft token j.
         fed, q = [last], []
         for j in range(k + 1):
@@ -117,7 +120,7 @@ class _SpeculativeRunner:
                     self.draft_cache.append(i)
             positions = (pos0 + j)[:, None]
             self.draft_cache.prepare_decode(rows, positions)
-            logits = self.draft(fed[-1][:, None], positions, self.draft_cache)[:, -1]
+            logits = self.draft(fed[-1][:, None], positions.to(dev), self.draft_cache)[:, -1]
             if j < k:
                 q.append(self._logp(state, logits))
                 fed.append(sample_from(q[-1], state.uniforms(r, _DRAFT, offset=j)))
@@ -127,34 +130,40 @@ class _SpeculativeRunner:
             self.cache.append(i, k)
         positions = pos0[:, None] + torch.arange(k + 1)
         self.cache.prepare_decode(rows, positions)
-        p = self._logp(state, self.target(torch.cat([last[:, None], drafts], 1), positions, self.cache))  # (B, k+1, V)
+        p = self._logp(state, self.target(torch.cat([last[:, None], drafts], 1), positions.to(dev),
+                                          self.cache))  # (B, k+1, V)
         q = torch.stack(q, dim=1)  # (B, k, V)
         # 3) accept d_j while u_j * q_j(d_j) < p_j(d_j); the first rejection ends the run.
         p_d = p[:, :k].gather(-1, drafts[..., None]).squeeze(-1).double().exp()
         q_d = q.gather(-1, drafts[..., None]).squeeze(-1).double().exp()
-        u = torch.stack([state.uniforms(r, _ACCEPT, offset=j) for j in range(k)], dim=1)
+        u = torch.stack([state.uniforms(r, _ACCEPT, offset=j) for j in range(k)], dim=1).to(dev)
         ok = torch.ones_like(p_d, dtype=torch.bool) if self.always_accept else u * q_d < p_d
         accepted = ok.long().cumprod(dim=1).sum(dim=1)  # (B,) leading accepts
         # 4) one more token: residual norm(max(0, p_j - q_j)) at the rejection, else the bonus from p_{k+1}.
-        idx = accepted.clamp(max=k)
-        p_at = p[torch.arange(len(rows)), idx].double().exp()
-        q_at = torch.cat([q, torch.full_like(q[:, :1], float("-inf"))], 1)[torch.arange(len(rows)), idx]
+        idx, batch = accepted.clamp(max=k), torch.arange(len(rows), device=dev)
+        p_at = p[batch, idx].double().exp()
+        q_at = torch.cat([q, torch.full_like(q[:, :1], float("-inf"))], 1)[batch, idx]
         resid = (p_at - q_at.double().exp()).clamp(min=0.0)
         # A residual of zero mass (p == q up to rounding) only arises with probability ~0; fall back to p.
         resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p_at)
-        extra = sample_from(resid.log(), state.uniforms(r, _RESIDUAL, offset=accepted.numpy()))
+        extra = sample_from(resid.log(), state.uniforms(r, _RESIDUAL, offset=accepted.cpu().numpy()))
+        # Row b emits drafts[b, :m] and then extra[b], at positions 0..m: their tokens and target
+        # log-probs come to the host in one copy each.
+        emit = torch.cat([drafts, drafts[:, :1]], 1)
+        emit[batch, accepted] = extra
+        emit_logp = p.gather(-1, emit[..., None]).squeeze(-1).tolist()
+        emit, num_accepted = emit.tolist(), accepted.tolist()
         self.stats.steps += 1
         self.stats.row_steps += len(rows)
         live = []
         for b, row in enumerate(rows):
-            m = int(accepted[b])
+            m = num_accepted[b]
             self.stats.drafted += k
             self.stats.accepted += m
             self.stats.evaluated += min(m + 1, k)
-            out = drafts[b, :m].tolist() + [int(extra[b])]
             done = False
-            for j, t in enumerate(out):
-                done = state.record(row, t, float(p[b, j, t]))
+            for t, lp in zip(emit[b][: m + 1], emit_logp[b]):
+                done = state.record(row, t, lp)
                 self.stats.emitted += 1
                 if done:
                     break

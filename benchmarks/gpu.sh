@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The GPU checks, as one prepared script for a lent GPU machine (one H200; 15 minutes of device time
+# in all, a machine's start included). From the repository root, through the device tool:
+#
+#   run(command="bash benchmarks/gpu.sh", timeout_s=420)
+#
+# which leaves room for one rerun. It uses that machine's own python3 (its CUDA PyTorch and
+# transformers) and installs nothing; the flows' packages (Dask, Zarr, MLflow, OmegaConf) are not
+# there, so it runs what needs torch and the stages only:
+#   1. the engine's tests, the CUDA ones included (tests/stages/test_rollout_placement.py), without
+#      tests/conftest.py (it imports Zarr);
+#   2. decode tokens/s of the engine against transformers' generate (sampling, with the scores a
+#      rollout needs), bfloat16, at 16 and 128 prompts x G 8, skewed and fixed lengths, and the
+#      decode matmul rate (benchmarks/rollout.py);
+#   3. speculative decoding, k = 2 and 4, at 16 prompts.
+# Everything it prints also goes to $OUT/gpu.log (the device tool brings $OUT back).
+set -uo pipefail
+OUT=${OUT:-/tmp/grpoflow-gpu}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+{
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'transformers', transformers.__version__, torch.cuda.get_device_name())"
+  echo "== 1. engine tests (CUDA included)"
+  timeout 120 "$PY" -m pytest -q --noconftest -p no:cacheprovider -rs \
+    tests/stages/test_rollout_placement.py tests/stages/test_rollout_engine.py
+  echo "== 2. decode: engine vs transformers, bfloat16"
+  timeout 120 "$PY" benchmarks/rollout.py --device cuda --dtype bfloat16 --reps 3 --only skewed --prompts 16 --prompts 128
+  timeout 90 "$PY" benchmarks/rollout.py --device cuda --dtype bfloat16 --reps 2 --only fixed --prompts 16 --prompts 128
+  echo "== 3. speculative decoding"
+  timeout 60 "$PY" benchmarks/rollout.py --device cuda --dtype bfloat16 --only speculative --no-hf --prompts 16
+} 2>&1 | tee "$OUT/gpu.log"

@@ -7,8 +7,9 @@
 # which leaves room for one rerun. It uses that machine's own python3 (its CUDA PyTorch and
 # transformers) and installs nothing; the flows' packages (Dask, Zarr, MLflow, OmegaConf) are not
 # there, so it runs what needs torch and the stages only:
-#   1. the engine's tests, the CUDA ones included (tests/stages/test_rollout_placement.py), without
-#      tests/conftest.py (it imports Zarr);
+#   1. the rollout engine's and the training rank's tests, the CUDA ones included
+#      (tests/stages/test_rollout_placement.py, test_train_placement.py: one rank's step on the GPU
+#      against the host's), without loading tests/conftest.py as a plugin (its fixtures need the flows);
 #   2. decode tokens/s of the engine against transformers' generate (sampling, with the scores a
 #      rollout needs), bfloat16, at 16 and 128 prompts x G 8, skewed and fixed lengths, and the
 #      decode matmul rate (benchmarks/rollout.py);
@@ -17,18 +18,18 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/grpoflow-gpu}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD:$PWD/tests PYTHONUNBUFFERED=1  # tests/: the helpers' `from conftest import ...`
 PY=${PY:-python3}
 {
   date -u
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
   "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'transformers', transformers.__version__, torch.cuda.get_device_name())"
-  echo "== 1. engine tests (CUDA included)"
-  timeout 120 "$PY" -m pytest -q --noconftest -p no:cacheprovider -rs \
-    tests/stages/test_rollout_placement.py tests/stages/test_rollout_engine.py
+  echo "== 1. rollout engine and training rank tests (CUDA included)"
+  timeout 150 "$PY" -m pytest -q --noconftest -p no:cacheprovider -rs \
+    tests/stages/test_rollout_placement.py tests/stages/test_rollout_engine.py tests/stages/test_train_placement.py
   echo "== 2. decode: engine vs transformers, bfloat16"
-  timeout 120 "$PY" benchmarks/rollout.py --device cuda --dtype bfloat16 --reps 3 --only skewed --prompts 16 --prompts 128
+  timeout 100 "$PY" benchmarks/rollout.py --device cuda --dtype bfloat16 --reps 3 --only skewed --prompts 16 --prompts 128
   timeout 90 "$PY" benchmarks/rollout.py --device cuda --dtype bfloat16 --reps 2 --only fixed --prompts 16 --prompts 128
   echo "== 3. speculative decoding"
   timeout 60 "$PY" benchmarks/rollout.py --device cuda --dtype bfloat16 --only speculative --no-hf --prompts 16

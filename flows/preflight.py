@@ -6,7 +6,7 @@ key, file or sample, and nothing stored is changed.
 - an existing run folder: started with the same config, except :data:`SAFE_TO_CHANGE` keys
   (run.json); its Zarr steps readable; its policy versions hashing to their manifests;
 - prompts no wider than the step layout's prompt width under model.path's tokenizer (:func:`check_task_prompts`);
-- ``rollout.device``: a device this machine has (:func:`check_rollout_placement`).
+- ``rollout.device`` and ``train.device``: devices this machine has (:func:`check_devices`).
 
 NaN or infinite rewards are not refused here: the reward stage marks those samples failed
 (stages/reward ``score_samples``), and failed samples carry no gradient.
@@ -24,7 +24,7 @@ from storage.model_folder import ModelFolderError, load_hf_config
 from flows.schema import ConfigError, GRPOConfig, config_to_dict
 
 __all__ = ["SAFE_TO_CHANGE", "PreflightError", "config_differences", "check_model_folder",
-           "check_rollout_placement", "check_run_folder", "check_task_prompts", "preflight"]
+           "check_devices", "check_run_folder", "check_task_prompts", "preflight"]
 
 SAFE_TO_CHANGE = ("iterations", "runs_dir", "cluster.", "mlflow.", "plan.")
 """Config keys (or key prefixes, ending in '.') a resumed run may change: they decide how long and
@@ -204,12 +204,15 @@ def check_task_prompts(cfg: GRPOConfig) -> None:
             f"prompt width is {cfg.prompt_width}: raise dataset.max_prompt_tokens (or use dataset.overflow=truncate)")
 
 
-def check_rollout_placement(cfg: GRPOConfig) -> None:
-    """rollout.device names a device this machine has (the embedded cluster's engines run here)."""
+def check_devices(cfg: GRPOConfig) -> None:
+    """rollout.device and train.device name devices this machine has (the embedded cluster's
+    engines and ranks run here), a GPU per training rank for train.device=cuda."""
     from stages.rollout.engine import engine_placement
+    from stages.train.engine import train_placement
 
     try:
         engine_placement(cfg.rollout.device, cfg.rollout.dtype)
+        train_placement(cfg.train.device, cfg.train.dtype, 0, cfg.train.layout.world_size)
     except ValueError as exc:
         raise PreflightError(str(exc)) from None
 
@@ -217,7 +220,7 @@ def check_rollout_placement(cfg: GRPOConfig) -> None:
 def preflight(cfg: GRPOConfig, folder) -> dict[str, Any] | None:
     """Every check that needs no cluster, in the order a user would fix them; returns run.json of a
     resumed run (None for a new one). Raises :class:`PreflightError`."""
-    check_rollout_placement(cfg)
+    check_devices(cfg)
     if cfg.model.path:
         check_model_folder(cfg.model.path)
         check_task_prompts(cfg)

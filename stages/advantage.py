@@ -14,18 +14,28 @@ it gets A = 0 and is left out of the loss (:func:`trained_samples`, used by stag
 
 from __future__ import annotations
 
-from typing import Optional, TypeVar
+import sys
+from typing import TYPE_CHECKING, Optional, TypeVar
 
-import dask.array as da
 import numpy as np
 
 from stages.config import AdvantageConfig
+
+if TYPE_CHECKING:
+    import dask.array as da
 
 __all__ = ["normalize_advantages", "trained_samples", "MIN_VALID_PER_GROUP"]
 
 MIN_VALID_PER_GROUP = 2  # one valid sample alone has no group to be relative to
 
-_Array = TypeVar("_Array", np.ndarray, da.Array)
+_Array = TypeVar("_Array", np.ndarray, "da.Array")
+
+
+def _is_dask(x) -> bool:
+    """``x`` is a dask array. dask is imported by whoever made one, so the stages (the training
+    batch imports this module) need only numpy where no dask array is used."""
+    dask_array = sys.modules.get("dask.array")
+    return dask_array is not None and isinstance(x, dask_array.Array)
 
 
 def trained_samples(valid: _Array, group_size: int) -> _Array:
@@ -46,9 +56,12 @@ def normalize_advantages(rewards: _Array, group_size: int, cfg: AdvantageConfig,
     """
     if rewards.shape[0] % group_size:
         raise ValueError(f"{rewards.shape[0]} rewards do not form whole groups of {group_size}")
-    lazy = isinstance(rewards, da.Array)
-    if lazy and any(c % group_size for c in rewards.chunks[0]):
-        raise ValueError(f"reward chunks {rewards.chunks[0]} split a group of {group_size}")
+    lazy = _is_dask(rewards)
+    if lazy:
+        import dask.array as da
+
+        if any(c % group_size for c in rewards.chunks[0]):
+            raise ValueError(f"reward chunks {rewards.chunks[0]} split a group of {group_size}")
     if valid is None:
         valid = (da.ones(rewards.shape, dtype=bool, chunks=rewards.chunks) if lazy
                  else np.ones(rewards.shape, dtype=bool))

@@ -256,6 +256,13 @@ class TrainConfig:
     timeout_s: float = 120.0
     """Limit on every distributed wait (process-group init, send/recv, collectives); a failed or stuck
     rank ends the training step on every rank within it."""
+    device: str = "cpu"
+    """Where the training ranks compute: cpu; cuda, a GPU per rank (rank r on GPU r mod the count;
+    NCCL between them, gloo for host tensors); auto, cuda when the machine has a GPU per rank, else
+    cpu (stages/train/engine.py ``train_placement``)."""
+    dtype: str = "float32"
+    """float32, or bfloat16: every forward of the policy and the reference runs under torch.autocast
+    (weights, gradients and AdamW's state stay float32)."""
     reference_parallel: str = "pipeline"
     """How the training ranks run the frozen reference's forward pass. pipeline: split into the
     pipeline's stages like the policy (each rank holds its stages' share; a pass pays the
@@ -269,6 +276,8 @@ class TrainConfig:
         _one_of("train.schedule", self.schedule, SCHEDULES)
         _one_of("train.loss_aggregation", self.loss_aggregation, LOSS_AGGREGATIONS)
         _one_of("train.reference_parallel", self.reference_parallel, REFERENCE_PARALLEL)
+        _one_of("train.device", self.device, ("cpu", "cuda", "auto"))
+        _one_of("train.dtype", self.dtype, ("float32", "bfloat16"))
         for key in ("pipeline_model_parallel_size", "tensor_model_parallel_size", "data_parallel_size",
                     "virtual_pipeline_model_parallel_size", "micro_batch_size"):
             _require(getattr(self, key) >= 1, f"train.{key}={getattr(self, key)} must be >= 1")

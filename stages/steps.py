@@ -129,4 +129,4 @@ def train_setup(train: TrainConfig, model_cfg: DecoderConfig, num_microbatches: 
         loss=LossConfig(t.clip_eps_low, t.clip_eps_high, t.kl_beta, temperature,
                         effective_off_policy(t, max_staleness)),
         logprob_chunk_tokens=t.logprob_chunk_tokens, timeout_s=t.timeout_s, faults=faults,
-        reference_parallel=t.reference_parallel)
+        reference_parallel=t.reference_parallel, device=t.device, dtype=t.dtype)

@@ -21,6 +21,12 @@ before the one optimiser step, exact since every loss weight is global.
 
 Every distributed wait is bounded by ``timeout_s``; a failing rank or disagreeing inputs end the
 call on every rank with an error naming the rank and the cause (stages/train/faults.py).
+
+Devices. A rank computes on the CPU or on a GPU of its own (``TrainSetup.device``, resolved by
+:func:`train_placement`): its modules, optimiser state and each pass's inputs live there, the
+process groups pair gloo for host tensors with NCCL for CUDA ones, and what leaves the rank
+(log-probs, weights, optimiser state) is copied to the host. ``TrainSetup.dtype`` bfloat16 runs
+every stage's forward under ``torch.autocast`` (float32 weights, gradients and optimiser state).
 """
 
 from __future__ import annotations
@@ -47,12 +53,36 @@ from stages.train.mesh import init_rank_groups
 from stages.train.parallel import (DEFAULT_BUCKET_BYTES, allreduce_grads, apply_tensor_parallel, clip_grad_norm,
                                    head_local_parameters, sum_tied_grads, unique_parameters)
 from stages.train.schedules import ForwardOnlySchedule, LogpStage, build_train_schedule
-from stages.train.timeline import Action, RankTimeline, TimedStage, bubble_fraction, timed_p2p
+from stages.train.timeline import Action, RankTimeline, TimedStage, autocast_to, bubble_fraction, timed_p2p
 
-__all__ = ["TrainSetup", "StepResult", "TrainRank", "rank_tensor_names", "TrainStepError", "InputMismatchError",
-           "InjectedFault"]
+__all__ = ["TrainSetup", "StepResult", "TrainRank", "rank_tensor_names", "train_placement", "TrainStepError",
+           "InputMismatchError", "InjectedFault"]
 
 _CPU = torch.device("cpu")
+TRAIN_DEVICES = ("cpu", "cuda", "auto")
+TRAIN_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}  # -> the autocast dtype of the forwards
+
+
+def train_placement(device: str, dtype: str, rank: int, world_size: int
+                    ) -> tuple[torch.device, Optional[torch.dtype]]:
+    """Rank ``rank``'s device and autocast dtype. ``device``: cpu; cuda, a GPU per rank (rank r on
+    GPU r mod the count, one machine's ranks on its own GPUs: NCCL does not share one between
+    ranks); auto, cuda when torch sees at least ``world_size`` GPUs, else cpu. ``dtype``: float32,
+    or bfloat16 (autocast forwards)."""
+    if device not in TRAIN_DEVICES:
+        raise ValueError(f"train.device={device!r} must be one of {', '.join(TRAIN_DEVICES)}")
+    if dtype not in TRAIN_DTYPES:
+        raise ValueError(f"train.dtype={dtype!r} must be one of {', '.join(TRAIN_DTYPES)}")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "auto":
+        device = "cuda" if count >= world_size else "cpu"
+    if device == "cpu":
+        return _CPU, TRAIN_DTYPES[dtype]
+    if count == 0:
+        raise ValueError(f"train.device=cuda but torch {torch.__version__} sees no CUDA device; use train.device=cpu")
+    if count < world_size:
+        raise ValueError(f"train.device=cuda needs a GPU per training rank: {world_size} ranks, torch sees {count}")
+    return torch.device("cuda", rank % count), TRAIN_DTYPES[dtype]
 
 
 @dataclass(frozen=True)
@@ -82,6 +112,10 @@ class TrainSetup:
     reference_parallel: str = "pipeline"
     """How the ranks run the frozen reference (train.reference_parallel): split into the pipeline's
     stages like the policy, or whole on every rank, each taking a share of the microbatches."""
+    device: str = "cpu"
+    """Where each rank computes (train.device, :func:`train_placement`)."""
+    dtype: str = "float32"
+    """float32, or bfloat16: every forward under autocast (train.dtype)."""
 
     def __post_init__(self) -> None:
         error = schedule_error(self.schedule, self.pipeline_parallel_size, self.num_microbatches,
@@ -95,6 +129,8 @@ class TrainSetup:
             raise ValueError(f"reference_parallel=data holds the whole reference on every rank; with "
                              f"tensor_parallel_size={self.tensor_parallel_size} use pipeline")
         _ = self.layout  # validates the sizes
+        if self.device not in TRAIN_DEVICES or self.dtype not in TRAIN_DTYPES:
+            train_placement(self.device, self.dtype, 0, 1)  # raises, naming the key
 
     @property
     def layout(self) -> ParallelLayout:
@@ -121,8 +157,11 @@ class TrainRank:
     def __init__(self, setup: TrainSetup, rank: int, init_method: str, tensors: dict[str, torch.Tensor],
                  reference_tensors: Optional[dict[str, torch.Tensor]] = None):
         self.setup, self.rank, self.layout = setup, rank, setup.layout
+        self.device, self.autocast = train_placement(setup.device, setup.dtype, rank, self.layout.world_size)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # NCCL binds the rank to the current device
         self.groups = init_rank_groups(self.layout, rank, init_method, timedelta(seconds=setup.timeout_s),
-                                       setup.model.tie_word_embeddings)
+                                       setup.model.tie_word_embeddings, self.device.type)
         self.coord = self.groups.coord
         c = self.coord
         self.guard = StepGuard(self.groups.store, rank, self.layout.world_size,
@@ -164,6 +203,7 @@ class TrainRank:
         module = build_stage(self.setup.model, stage, self.layout.num_stages,
                              return_hidden=self.setup.logprob_chunk_tokens is not None)
         load_hf_state(module, tensors)
+        module.to(self.device)
         if frozen:
             module.requires_grad_(False)
         if self.groups.tp_mesh is not None:
@@ -179,11 +219,11 @@ class TrainRank:
             raise ValueError(f"reference_parallel=data holds the whole reference on every rank; {len(missing)} "
                              f"of its tensors were not given, e.g. {missing[0]}")
         load_hf_state(module, {k: tensors[k] for k in names})
-        return module.requires_grad_(False).eval()
+        return module.to(self.device).requires_grad_(False).eval()
 
     def _stage(self, module: nn.Module, index: int, timeline: RankTimeline) -> TimedStage:
-        return TimedStage(module, index, self.layout.num_stages, _CPU, group=self.groups.pp, timeline=timeline,
-                          before_forward=self._inject)
+        return TimedStage(module, index, self.layout.num_stages, self.device, group=self.groups.pp, timeline=timeline,
+                          before_forward=self._inject, autocast=self.autocast)
 
     def _forward_only(self, modules: list[nn.Module], num_microbatches: int) -> ForwardOnlySchedule:
         chunk = self.setup.logprob_chunk_tokens
@@ -272,7 +312,7 @@ class TrainRank:
                                       f"{', '.join(changed)}; keep the run's microbatch layout fixed")
             per = rows // D
             lo = self.coord.dp * per
-            out.append((key, m, {k: v[lo:lo + per] for k, v in full.items()}))
+            out.append((key, m, {k: v[lo:lo + per].to(self.device) for k, v in full.items()}))
         return out
 
     def _faulty_inputs(self, passes: list) -> list:
@@ -438,7 +478,7 @@ class TrainRank:
                     dist.all_gather(parts, out.contiguous(), group=self.groups.dp)
                     gathered.append(torch.cat(parts))
                 outs = gathered
-            return outs if self.is_output_rank else None
+            return [o.cpu() for o in outs] if self.is_output_rank else None
 
     def _shared_logp(self, what: str, passes: list) -> Optional[list[torch.Tensor]]:
         """reference_parallel=data: every rank runs the whole reference over its share of the
@@ -459,12 +499,13 @@ class TrainRank:
                 if rows % m:
                     raise TrainInputError(f"{what}: a pass of {rows} rows does not split into {m} microbatches")
                 size = rows // m
-                out = torch.zeros(full["input_ids"].shape, dtype=torch.float32)
+                out = torch.zeros(full["input_ids"].shape, dtype=torch.float32, device=self.device)
                 for j in range(m):
                     if (k + j) % world == self.rank:
                         c0 = time.time_ns()
-                        part = {key: v[j * size:(j + 1) * size] for key, v in full.items()}
-                        out[j * size:(j + 1) * size] = self.reference_whole(part.pop("input_ids"), **part)
+                        part = {key: v[j * size:(j + 1) * size].to(self.device) for key, v in full.items()}
+                        with autocast_to(self.device, self.autocast):
+                            out[j * size:(j + 1) * size] = self.reference_whole(part.pop("input_ids"), **part)
                         busy_ns += time.time_ns() - c0
                 k += m
                 outs.append(out)
@@ -475,7 +516,7 @@ class TrainRank:
                                                        "step_seconds": (t1 - t0) / 1e9}, [], (t0, t1))
             if not self.is_output_rank:
                 return None
-            return [piece.reshape(o.shape) for piece, o in zip(torch.split(flat, [o.numel() for o in outs]), outs)]
+            return [piece.reshape(o.shape).cpu() for piece, o in zip(torch.split(flat, [o.numel() for o in outs]), outs)]
 
     # -- weights --------------------------------------------------------------------------------------
     def _hf_tensors(self, grads: bool) -> dict[str, torch.Tensor]:
@@ -488,7 +529,7 @@ class TrainRank:
                     if t is None:
                         continue
                     t = t.full_tensor() if isinstance(t, DTensor) else t  # all-gather over TP
-                    out[name] = t.detach().clone().contiguous()
+                    out[name] = t.detach().to(_CPU, copy=True).contiguous()
         return out
 
     def hf_grads(self) -> dict[str, torch.Tensor]:
@@ -518,7 +559,7 @@ class TrainRank:
         for name, p in self._named_params():
             for key, value in self.optimizer.state.get(p, {}).items():
                 t = value.to_local() if isinstance(value, DTensor) else value
-                out[f"{name}.{key}"] = t.detach().clone().contiguous()
+                out[f"{name}.{key}"] = t.detach().to(_CPU, copy=True).contiguous()
         return out
 
     def load_optimizer_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -532,7 +573,8 @@ class TrainRank:
         for name, p in params:
             entry = {}
             for key in ("exp_avg", "exp_avg_sq", "step"):
-                t = state[f"{name}.{key}"].clone()
+                # AdamW keeps its step count on the host (neither fused nor capturable), moments by the parameter.
+                t = state[f"{name}.{key}"].clone() if key == "step" else state[f"{name}.{key}"].to(p.device, copy=True)
                 if key != "step" and isinstance(p, DTensor):
                     t = DTensor.from_local(t, p.device_mesh, p.placements, run_check=False)
                 elif key != "step" and t.shape != p.shape:

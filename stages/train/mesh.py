@@ -48,13 +48,15 @@ def _store(init_method: str, rank: int, world_size: int, timeout: timedelta) -> 
 
 
 def init_rank_groups(layout: ParallelLayout, rank: int, init_method: str, timeout: timedelta,
-                     tied_weights: bool) -> RankGroups:
-    """Join (or reuse) the world process group and create this rank's pp / dp / tp / tied groups."""
+                     tied_weights: bool, device_type: str = "cpu") -> RankGroups:
+    """Join (or reuse) the world process group and create this rank's pp / dp / tp / tied groups:
+    gloo on the CPU; on CUDA gloo for host tensors and NCCL for device ones (every group the same)."""
     world = layout.world_size
     owns_world = not dist.is_initialized()
     if owns_world:
         store = _store(init_method, rank, world, timeout)
-        dist.init_process_group("gloo", store=dist.PrefixStore("pg/", store), rank=rank, world_size=world,
+        backend = "gloo" if device_type == "cpu" else f"cpu:gloo,{device_type}:nccl"
+        dist.init_process_group(backend, store=dist.PrefixStore("pg/", store), rank=rank, world_size=world,
                                 timeout=timeout)
     else:
         store = dist.distributed_c10d._get_default_store()
@@ -76,6 +78,6 @@ def init_rank_groups(layout: ParallelLayout, rank: int, init_method: str, timeou
                 mine["tied"] = group
     tp_mesh = None
     if layout.tp > 1:
-        tp_mesh = DeviceMesh.from_group(mine["tp"], "cpu", mesh_dim_names=("tp",))
+        tp_mesh = DeviceMesh.from_group(mine["tp"], device_type, mesh_dim_names=("tp",))
     return RankGroups(layout, rank, layout.coord(rank), store, mine["pp"], mine["dp"], mine["tp"],
                       mine["tied"], tp_mesh, owns_world)

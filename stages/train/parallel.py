@@ -129,7 +129,8 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, counted: Callabl
     """Global L2 norm of the gradients, ||g|| = sqrt(sum over ranks of the squares this rank counts),
     one all-reduce over the world; scales every gradient by max_norm / (||g|| + 1e-6) when above
     ``max_norm`` > 0 (torch.nn.utils.clip_grad_norm_'s rule). Returns ||g||."""
-    sq = torch.zeros((), dtype=torch.float64)
+    device = local_tensor(params[0]).device if params else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float64, device=device)  # on the gradients' device (NCCL on CUDA)
     for p in params:
         if p.grad is not None and counted(p):
             sq += local_tensor(p.grad).double().pow(2).sum()

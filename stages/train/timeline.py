@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
@@ -32,7 +32,7 @@ from torch.distributed.pipelining import schedules as _schedules
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["Action", "COMPUTE_KINDS", "COMM_KINDS", "RankTimeline", "TimedStage", "timed_p2p",
+__all__ = ["Action", "COMPUTE_KINDS", "COMM_KINDS", "RankTimeline", "TimedStage", "autocast_to", "timed_p2p",
            "bubble_fraction", "chrome_events"]
 
 COMPUTE_KINDS = ("F", "B", "I", "W")
@@ -95,6 +95,11 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+def autocast_to(device: torch.device, dtype: Optional[torch.dtype]):
+    """torch.autocast on ``device``'s type in ``dtype``; a no-op context for None."""
+    return nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+
+
 class TimedStage(PipelineStage):
     """A PipelineStage that logs its actions, stash and P2P ops into a shared :class:`RankTimeline`.
 
@@ -103,10 +108,12 @@ class TimedStage(PipelineStage):
     """
 
     def __init__(self, *args, timeline: Optional[RankTimeline] = None,
-                 before_forward: Optional[Callable[[int, int], None]] = None, **kwargs):
+                 before_forward: Optional[Callable[[int, int], None]] = None,
+                 autocast: Optional[torch.dtype] = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.timeline = timeline if timeline is not None else RankTimeline()
         self.before_forward = before_forward
+        self.autocast = autocast  # forwards under torch.autocast in this dtype (None: the weights' dtype)
         self._param_keys = {_storage_key(p) for p in self.submod.parameters()}
 
     @property
@@ -135,7 +142,7 @@ class TimedStage(PipelineStage):
             return t
 
         t0 = time.time_ns()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast_to(self.device, self.autocast):
             out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
         self._record("F", fwd_chunk_id, t0)
         if saving and self.timeline.recording:

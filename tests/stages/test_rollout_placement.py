@@ -63,15 +63,17 @@ def test_placement_spellings():
 @no_cuda
 def test_cuda_without_a_gpu_is_refused_before_the_run_starts():
     from flows.config import load_config
-    from flows.preflight import PreflightError, check_rollout_placement
+    from flows.preflight import PreflightError, check_devices
 
     with pytest.raises(ValueError, match="sees no CUDA device"):
         engine_placement("cuda")
     cfg = load_config("configs/tiny.yaml", ["rollout.device=cuda"])
     with pytest.raises(PreflightError, match="rollout.device='cuda' but torch .* sees no CUDA device") as err:
-        check_rollout_placement(cfg)
+        check_devices(cfg)
     assert "\n" not in str(err.value)
-    check_rollout_placement(load_config("configs/tiny.yaml", []))  # auto: the CPU here
+    with pytest.raises(PreflightError, match="train.device=cuda but torch"):
+        check_devices(load_config("configs/tiny.yaml", ["train.device=cuda"]))
+    check_devices(load_config("configs/tiny.yaml", ["train.device=auto"]))  # auto: the CPU here
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -14,6 +14,8 @@
 #      rollout needs), bfloat16, at 16 and 128 prompts x G 8, skewed and fixed lengths, and the
 #      decode matmul rate (benchmarks/rollout.py);
 #   3. speculative decoding, k = 2 and 4, at 16 prompts.
+# On the GPU the matmul reference of step 2 is the decode shapes' GEMMs one after another, launch-
+# bound at this model size: read its "% of matmul" as a bound on launch overhead, not a roofline.
 # Everything it prints also goes to $OUT/gpu.log (the device tool brings $OUT back).
 set -uo pipefail
 OUT=${OUT:-/tmp/grpoflow-gpu}
@@ -26,6 +28,7 @@ PY=${PY:-python3}
   "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'transformers', transformers.__version__, torch.cuda.get_device_name())"
   echo "== 1. rollout engine and training rank tests (CUDA included)"
+  "$PY" -c "import pytest" || echo "no pytest for $PY on this machine: step 1 cannot run"
   timeout 150 "$PY" -m pytest -q --noconftest -p no:cacheprovider -rs \
     tests/stages/test_rollout_placement.py tests/stages/test_rollout_engine.py tests/stages/test_train_placement.py
   echo "== 2. decode: engine vs transformers, bfloat16"

@@ -267,6 +267,10 @@ def _compare(model, hf, prompts, name: str, stop: tuple[int, ...], reps: int) ->
     clock = 0 if _on_gpu() else 1  # which of (wall, cpu) decides "best" and the ratios
     unit = "s" if _on_gpu() else "cpu-s"
     best: dict[str, tuple[float, float, np.ndarray]] = {}
+    if _on_gpu():  # cuBLAS handles, lazily loaded kernels: once, untimed
+        generate(model, prompts, params, torch.Generator().manual_seed(0))
+        if hf is not None:
+            hf_generate(hf, prompts, params, 0)
     for rep in range(reps):
         runs = {"paged": lambda: generate(model, prompts, params, torch.Generator().manual_seed(rep)).length}
         if not _on_gpu():  # the earlier engines, kept for the CPU comparison only
@@ -304,6 +308,9 @@ def _speculative(model, prompts, rows: int) -> None:
     params = SamplingParams(G, _MAX_NEW, 1.0, 1.0, (), 0)
     draft = draft_from_target(model, 2)
     clock, unit = (0, "wall") if _on_gpu() else (1, "cpu")
+    if _on_gpu():  # warm-up, untimed: the first calls pay for kernel loading
+        generate(model, prompts, params, torch.Generator().manual_seed(0))
+        generate_speculative(model, draft, prompts, params, torch.Generator().manual_seed(0), 2)
     plain = _timed(lambda: generate(model, prompts, params, torch.Generator().manual_seed(0)))[clock]
     print(f"\n[speculative, {len(prompts) * G} rows x {_MAX_NEW} tokens, draft = 2 of 8 layers] plain {unit} {plain:.2f} s")
     for k in (2, 4):

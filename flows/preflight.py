@@ -208,13 +208,17 @@ def check_devices(cfg: GRPOConfig) -> None:
     """rollout.device and train.device name devices this machine has (the embedded cluster's
     engines and ranks run here), a GPU per training rank for train.device=cuda."""
     from stages.rollout.engine import engine_placement
-    from stages.train.engine import train_placement
+    from stages.train.engine import cuda_layout_error, train_placement
 
+    t = cfg.train
     try:
         engine_placement(cfg.rollout.device, cfg.rollout.dtype)
-        train_placement(cfg.train.device, cfg.train.dtype, 0, cfg.train.layout.world_size)
+        device, _ = train_placement(t.device, t.dtype, 0, t.layout.world_size)
     except ValueError as exc:
         raise PreflightError(str(exc)) from None
+    error = cuda_layout_error(t.schedule, t.virtual_pipeline_model_parallel_size) if device.type == "cuda" else None
+    if error:
+        raise PreflightError(error)
 
 
 def preflight(cfg: GRPOConfig, folder) -> dict[str, Any] | None:

@@ -31,6 +31,7 @@ every stage's forward under ``torch.autocast`` (float32 weights, gradients and o
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -55,8 +56,8 @@ from stages.train.parallel import (DEFAULT_BUCKET_BYTES, allreduce_grads, apply_
 from stages.train.schedules import ForwardOnlySchedule, LogpStage, build_train_schedule
 from stages.train.timeline import Action, RankTimeline, TimedStage, autocast_to, bubble_fraction, timed_p2p
 
-__all__ = ["TrainSetup", "StepResult", "TrainRank", "rank_tensor_names", "train_placement", "TrainStepError",
-           "InputMismatchError", "InjectedFault"]
+__all__ = ["TrainSetup", "StepResult", "TrainRank", "rank_tensor_names", "train_placement", "cuda_layout_error",
+           "TrainStepError", "InputMismatchError", "InjectedFault"]
 
 _CPU = torch.device("cpu")
 TRAIN_DEVICES = ("cpu", "cuda", "auto")
@@ -83,6 +84,17 @@ def train_placement(device: str, dtype: str, rank: int, world_size: int
     if count < world_size:
         raise ValueError(f"train.device=cuda needs a GPU per training rank: {world_size} ranks, torch sees {count}")
     return torch.device("cuda", rank % count), TRAIN_DTYPES[dtype]
+
+
+def cuda_layout_error(schedule: str, virtual_stages: int) -> Optional[str]:
+    """Why a layout cannot train on CUDA, or None. The forward-only passes send a looped rank's
+    every microbatch of one stage before receiving for its next: gloo buffers that, NCCL's ordered
+    point-to-point streams can deadlock on it, so looped virtual stages stay on the CPU."""
+    if virtual_stages > 1 and schedule not in ("zbv", "dualpipev"):
+        return (f"train.schedule={schedule} with virtual_pipeline_model_parallel_size={virtual_stages} does not run "
+                "on train.device=cuda (the forward-only passes' send order can deadlock NCCL); use one stage per "
+                "rank, a V-shaped schedule (zbv, dualpipev) or train.device=cpu")
+    return None
 
 
 @dataclass(frozen=True)
@@ -159,7 +171,13 @@ class TrainRank:
         self.setup, self.rank, self.layout = setup, rank, setup.layout
         self.device, self.autocast = train_placement(setup.device, setup.dtype, rank, self.layout.world_size)
         if self.device.type == "cuda":
+            error = cuda_layout_error(setup.schedule, setup.virtual_stages)
+            if error:
+                raise ValueError(error)
             torch.cuda.set_device(self.device)  # NCCL binds the rank to the current device
+            # A blocking wait raises at train.timeout_s like gloo's, so a stuck peer fails the step
+            # on every rank (stages/train/faults.py) instead of NCCL's watchdog ending the process.
+            os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
         self.groups = init_rank_groups(self.layout, rank, init_method, timedelta(seconds=setup.timeout_s),
                                        setup.model.tie_word_embeddings, self.device.type)
         self.coord = self.groups.coord
@@ -268,6 +286,13 @@ class TrainRank:
         """The rank whose forward-only passes return the gathered log-probs."""
         return self.rank == self.output_rank
 
+    def _now_ns(self) -> int:
+        """time.time_ns() once this rank's device has finished the work queued so far (CUDA runs
+        asynchronously: without the wait a window measures kernel launches)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.time_ns()
+
     # -- inputs -------------------------------------------------------------------------------------
     def _inject(self, stage: int, microbatch: int) -> None:
         for f in self.setup.faults:
@@ -355,7 +380,7 @@ class TrainRank:
         self.timeline.clear()
         stats: list[LossStats] = []
         dist.barrier()  # a common start, so every rank's window measures the same step
-        t0 = time.time_ns()
+        t0 = self._now_ns()
         for key, m, local in local_passes:  # gradients accumulate over the passes
             schedule = self._schedule_for("train", key, m)
             input_ids, target = local.pop("input_ids"), local.pop("target")
@@ -365,7 +390,7 @@ class TrainRank:
                 schedule.step(*args, target=target if self.holds_last else None, return_outputs=False, **local)
             # A schedule's first step runs the loss once more for shape inference: keep the real ones.
             stats += self._stats[-m:] if self.holds_last else []
-        t1 = time.time_ns()
+        t1 = self._now_ns()
         allreduce_grads(self.params, self.groups.dp, self.setup.grad_bucket_bytes)
         if self.head_local:
             allreduce_grads(self.head_local, self.groups.tp, self.setup.grad_bucket_bytes)
@@ -458,14 +483,14 @@ class TrainRank:
             local_passes = self._pass_inputs(call, what, inputs)
             self.forward_timeline.clear()
             outs = []
-            t0 = time.time_ns()
+            t0 = self._now_ns()
             for key, m, local in local_passes:
                 schedule = self._schedule_for(what, key, m)
                 input_ids = local.pop("input_ids")
                 args = (input_ids,) if self.holds_first else ()
                 with timed_p2p():
                     outs.append(schedule.step(*args, **local))
-            t1 = time.time_ns()
+            t1 = self._now_ns()
             metrics = {"bubble_fraction": bubble_fraction(self.forward_timeline.actions, t0, t1),
                        "step_seconds": (t1 - t0) / 1e9, **self.forward_timeline.stash_metrics()}
             self.last_forward = StepResult(self.rank, metrics, list(self.forward_timeline.actions), (t0, t1))
@@ -492,7 +517,7 @@ class TrainRank:
             inputs = [(self.setup.num_microbatches * D if mb is None else mb,
                        {"input_ids": ids, "next_ids": nxt.long(), **kw}) for mb, ids, nxt, kw in passes]
             self.guard.check_inputs(call, passes_signature(inputs)[0])
-            t0 = time.time_ns()
+            t0 = self._now_ns()
             outs, k, busy_ns = [], 0, 0
             for m, full in inputs:
                 rows = int(full["input_ids"].shape[0])
@@ -502,16 +527,16 @@ class TrainRank:
                 out = torch.zeros(full["input_ids"].shape, dtype=torch.float32, device=self.device)
                 for j in range(m):
                     if (k + j) % world == self.rank:
-                        c0 = time.time_ns()
+                        c0 = self._now_ns()
                         part = {key: v[j * size:(j + 1) * size].to(self.device) for key, v in full.items()}
                         with autocast_to(self.device, self.autocast):
                             out[j * size:(j + 1) * size] = self.reference_whole(part.pop("input_ids"), **part)
-                        busy_ns += time.time_ns() - c0
+                        busy_ns += self._now_ns() - c0
                 k += m
                 outs.append(out)
             flat = torch.cat([o.reshape(-1) for o in outs])
             dist.reduce(flat, dst=self.output_rank, op=dist.ReduceOp.SUM)
-            t1 = time.time_ns()
+            t1 = self._now_ns()
             self.last_forward = StepResult(self.rank, {"bubble_fraction": 1 - busy_ns / max(t1 - t0, 1),
                                                        "step_seconds": (t1 - t0) / 1e9}, [], (t0, t1))
             if not self.is_output_rank:

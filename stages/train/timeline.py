@@ -120,6 +120,12 @@ class TimedStage(PipelineStage):
     def actions(self) -> list[Action]:
         return self.timeline.actions
 
+    def _prepare_forward_infra(self, *args, **kwargs):
+        # Shape inference runs the stage's forward once before the first step: under the same
+        # autocast, so the dtypes it records are those the step's forwards produce (torch checks them).
+        with autocast_to(self.device, self.autocast):
+            return super()._prepare_forward_infra(*args, **kwargs)
+
     def _record(self, kind: str, mb: int, t0: int) -> None:
         self.timeline.record(Action(kind, self.stage_index, mb, t0, time.time_ns()))
 

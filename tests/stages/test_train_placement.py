@@ -14,7 +14,7 @@ from conftest import make_decoder_config, make_model, make_rollout_arrays
 from stages.config import ConfigError, TrainConfig
 from stages.policy import hf_named_parameters, hf_state
 from stages.train.batch import build_global_batch
-from stages.train.engine import TrainSetup, train_placement
+from stages.train.engine import TrainSetup, cuda_layout_error, train_placement
 from stages.train.local import run_local_pipeline
 from stages.train.loss import LossConfig, grpo_microbatch_loss, token_logp
 
@@ -72,6 +72,9 @@ def test_placement_rules():
     for bad in ({"device": "gpu"}, {"dtype": "fp16"}):
         with pytest.raises(ConfigError, match=f"train.{next(iter(bad))}="):
             TrainConfig(**bad)
+    # Looped virtual stages send every microbatch of a stage before receiving for the next: not on NCCL.
+    assert "interleaved-1f1b with virtual_pipeline_model_parallel_size=2" in cuda_layout_error("interleaved-1f1b", 2)
+    assert cuda_layout_error("1f1b", 1) is None and cuda_layout_error("zbv", 2) is None
 
 
 @pytest.mark.parametrize("chunk_tokens", [None, 4])

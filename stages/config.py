@@ -10,7 +10,6 @@ span sections) is flows/schema.py. Each field is documented once, here. Validati
 from __future__ import annotations
 
 import re
-
 from dataclasses import dataclass, field
 from typing import Optional
 

@@ -48,6 +48,9 @@ def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 ESTIMATORS = ("grpo", "dr_grpo")
 REFERENCE_PARALLEL = ("pipeline", "data")
+ROLLOUT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+TRAIN_DEVICES = ("cpu", "cuda", "auto")
+TRAIN_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -152,8 +155,7 @@ class RolloutConfig:
         _require(self.max_staleness >= 0, f"rollout.max_staleness={self.max_staleness} must be >= 0 (0: synchronous)")
         _require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
                  f"rollout.device={self.device!r} must be auto, cpu, cuda or cuda:N")
-        _require(self.dtype in ("auto", "float32", "bfloat16", "float16"),
-                 f"rollout.dtype={self.dtype!r} must be auto, float32, bfloat16 or float16")
+        _one_of("rollout.dtype", self.dtype, ROLLOUT_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -275,8 +277,8 @@ class TrainConfig:
         _one_of("train.schedule", self.schedule, SCHEDULES)
         _one_of("train.loss_aggregation", self.loss_aggregation, LOSS_AGGREGATIONS)
         _one_of("train.reference_parallel", self.reference_parallel, REFERENCE_PARALLEL)
-        _one_of("train.device", self.device, ("cpu", "cuda", "auto"))
-        _one_of("train.dtype", self.dtype, ("float32", "bfloat16"))
+        _one_of("train.device", self.device, TRAIN_DEVICES)
+        _one_of("train.dtype", self.dtype, TRAIN_DTYPES)
         for key in ("pipeline_model_parallel_size", "tensor_model_parallel_size", "data_parallel_size",
                     "virtual_pipeline_model_parallel_size", "micro_batch_size"):
             _require(getattr(self, key) >= 1, f"train.{key}={getattr(self, key)} must be >= 1")

@@ -65,7 +65,7 @@ def engine_placement(device: str = "auto", dtype: str = "auto") -> tuple[torch.d
             raise ValueError(f"rollout.device={device!r} but torch sees {count} CUDA device(s)")
     if dtype == "auto":
         dtype = "bfloat16" if dev.type == "cuda" else "float32"
-    if dtype not in _DTYPES:
+    if dtype not in _DTYPES:  # the config's spellings (stages/config.py ROLLOUT_DTYPES)
         raise ValueError(f"rollout.dtype={dtype!r} is not one of auto, {', '.join(_DTYPES)}")
     return dev, _DTYPES[dtype]
 

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from stages.config import REFERENCE_PARALLEL
+from stages.config import REFERENCE_PARALLEL, TRAIN_DEVICES, TRAIN_DTYPES
 from stages.policy import DecoderConfig, build_stage, hf_named_parameters, load_hf_state, stage_hf_names
 from stages.train.batch import BucketedBatch
 from stages.train.faults import (InjectedFault, InputMismatchError, StepGuard, TrainInputError, TrainStepError,
@@ -60,8 +60,7 @@ __all__ = ["TrainSetup", "StepResult", "TrainRank", "rank_tensor_names", "train_
            "TrainStepError", "InputMismatchError", "InjectedFault"]
 
 _CPU = torch.device("cpu")
-TRAIN_DEVICES = ("cpu", "cuda", "auto")
-TRAIN_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}  # -> the autocast dtype of the forwards
+_AUTOCAST = {"float32": None, "bfloat16": torch.bfloat16}  # train.dtype -> the autocast dtype of the forwards
 
 
 def train_placement(device: str, dtype: str, rank: int, world_size: int
@@ -78,12 +77,12 @@ def train_placement(device: str, dtype: str, rank: int, world_size: int
     if device == "auto":
         device = "cuda" if count >= world_size else "cpu"
     if device == "cpu":
-        return _CPU, TRAIN_DTYPES[dtype]
+        return _CPU, _AUTOCAST[dtype]
     if count == 0:
         raise ValueError(f"train.device=cuda but torch {torch.__version__} sees no CUDA device; use train.device=cpu")
     if count < world_size:
         raise ValueError(f"train.device=cuda needs a GPU per training rank: {world_size} ranks, torch sees {count}")
-    return torch.device("cuda", rank % count), TRAIN_DTYPES[dtype]
+    return torch.device("cuda", rank % count), _AUTOCAST[dtype]
 
 
 def cuda_layout_error(schedule: str, virtual_stages: int) -> Optional[str]:

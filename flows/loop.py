@@ -35,8 +35,8 @@ import psutil
 from distributed import wait
 from tqdm.auto import tqdm
 
-from flows import lineage_writer, tasks, weight_sync
-from flows.background import BackgroundProcess, BackgroundQueue
+from flows import tasks, weight_sync
+from flows.background import BackgroundQueue
 from flows.async_schedule import behaviour_version, released_by, trainer_version
 from flows.cluster import (ClusterError, Pools, check_pools, dashboard_link, lost_workers, restart_train_workers,
                            start_cluster)
@@ -44,10 +44,13 @@ from flows.iteration import (STAGES, IterationError, IterationResult, PendingIte
                              WorkerLostError, finish_iteration, prepare_step, submit_iteration)
 from flows.preflight import preflight
 from flows.schema import GRPOConfig, config_hash, config_to_dict
+from stages.policy.tokenizer import TextCodec
 from stages.train.rendezvous import free_port
-from storage.lineage import Lineage
+from storage.lineage import Lineage, StepRun
+from storage.plots import save_run_plots
 from storage.policies import PolicyRef
 from storage.run_folder import RunFolder
+from storage.samples import load_sample_table, step_array_specs
 
 __all__ = ["RunSummary", "run", "run_folder", "tracking_uri", "format_summary", "remaining_steps", "fresh_run"]
 
@@ -204,15 +207,7 @@ def run(cfg: GRPOConfig, progress: bool = True) -> RunSummary:
         log.info("run %s: all %d iterations are published in %s; nothing to do", cfg.run_name, cfg.iterations,
                  folder.root)
         return _finished_summary(cfg, folder, uri)
-    # Every MLflow call of the loop, in a child process at the lowest priority (flows/background.py),
-    # started first so that its imports overlap the cluster's start; a wait on it is bounded like a step's.
-    writer = BackgroundProcess(timeout_s=cfg.cluster.iteration_timeout_s, name="grpoflow-lineage",
-                               preload=("flows.lineage_writer",))
-    try:
-        client, cluster = start_cluster(cfg)
-    except BaseException:
-        writer.close()
-        raise
+    client, cluster = start_cluster(cfg)
     lineage = None
     try:
         _stop_with_driver(client, cluster)
@@ -229,16 +224,14 @@ def run(cfg: GRPOConfig, progress: bool = True) -> RunSummary:
         log.info("starting %d training ranks from policy v%d; %d iterations from step %d",
                  len(pools.train), policy.version, cfg.iterations - first_step, first_step)
         _init_ranks(client, cfg, pools, policy)
-        results = _loop(client, cfg, pools, folder, policy, first_step, lineage, writer, progress,
+        results = _loop(client, cfg, pools, folder, policy, first_step, lineage, progress,
                         host_cpu=_HostCPU() if cluster is not None else None)
-        writer.close()  # drained: the driver makes the last MLflow calls
         summary = _summarise(cfg, lineage, uri, folder, results, time.perf_counter() - start)
         summary_path = folder.save_summary(summary.to_json())
         lineage.log_summary({"wall_seconds": summary.wall_seconds, **_idle_fractions(results)}, [summary_path])
         lineage.finish()
         return summary
     except BaseException:
-        writer.close()  # what is queued still runs (the failed step's child run ends)
         if lineage is not None:
             lineage.finish("FAILED")
         raise
@@ -277,18 +270,14 @@ class _HostCPU:
 
 
 def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: PolicyRef, first_step: int,
-          lineage: Lineage, writer: BackgroundProcess, progress: bool, host_cpu: _HostCPU | None = None
-          ) -> list[IterationResult]:
-    """The steps from ``first_step`` on; ``writer`` makes every MLflow call meanwhile (it is left
-    drained on success)."""
+          lineage: Lineage, progress: bool, host_cpu: _HostCPU | None = None) -> list[IterationResult]:
     results: list[IterationResult] = []
     store = folder.rollout_store()
     s = cfg.rollout.max_staleness
     published = {policy.version: policy}  # versions the rule may still ask for
     in_flight: deque[PendingIteration] = deque()
-    queue = BackgroundQueue()  # the next step's Zarr group, while the step before runs
-    writer.submit(lineage_writer.open_run, cfg, folder, lineage.tracking_uri, lineage.experiment_id, lineage.run_id,
-                  lineage.params, STAGES)
+    handles: dict[int, Future] = {}  # step -> its StepRun, from the background queue
+    queue = BackgroundQueue()  # lineage and the next step's Zarr group, while steps run
     outer = tqdm(range(first_step, cfg.iterations), desc="iterations", disable=not progress, unit="it")
 
     def _finish_step(pending: PendingIteration, advance) -> IterationResult:
@@ -336,6 +325,39 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
                                  maker.stages["publish"].gate, maker.done_at)
         return published.get(version) or folder.policy_store().ref(version)
 
+    def log_step(handle: Future, result: IterationResult, plot_rows: list[dict] | None) -> None:
+        """The step's lineage (on the background queue's thread), then its "lineage" mark: written
+        last, with the step's metrics for summary.json, it says the step needs no rerun."""
+        t0 = time.perf_counter()
+        step = result.step
+        trace_path = folder.save_trace(step, result.trace_events)
+        child: StepRun = handle.result()
+        with child:  # decoded samples, timeline, dataset with schema, metrics and policy; ends the child run
+            table = load_sample_table(folder.rollouts, step, codec(result.policy.path).decode,
+                                      max(cfg.mlflow.sample_groups, 1))
+            tags = child.log_samples(table, set_tag=False) if cfg.mlflow.sample_groups else {}
+            child.log_artifact(trace_path, "timelines")
+            child.log_rollouts(store.ref(step).path, store.digest(step), step_array_specs(folder.rollouts, step))
+            child.log_metrics(result.metrics, tags={**tags, **child.policy_tags(
+                result.policy.version, result.policy.path, result.policy.sha256)})
+        if plot_rows is not None:  # refresh the plots
+            lineage.log_plots(save_run_plots(plot_rows, folder.plots, STAGES))
+        if step % cfg.mlflow.plot_every_steps == 0 and table["id"]:  # one decoded example now and then
+            tqdm.write(f"{table['id'][0]} (policy v{table['policy_version'][0]}): {table['prompt'][0]!r} -> "
+                       f"{table['completion'][0]!r}, reward {table['reward'][0]:.2f}, "
+                       f"advantage {table['advantage'][0]:+.2f}")
+        metrics = {k: float(v) for k, v in result.metrics.items()}
+        metrics["lineage_seconds"] = time.perf_counter() - t0
+        store.mark_complete(step, "lineage", metrics=metrics, mlflow_run_id=child.run_id)
+
+    codecs: list[TextCodec] = []
+
+    def codec(policy_path: str) -> TextCodec:
+        """The run's tokenizer, read once: every version is published with the base policy's."""
+        if not codecs:
+            codecs.append(TextCodec.from_policy_folder(policy_path, cfg.dataset.chat_template))
+        return codecs[0]
+
     prepared: dict[int, Future] = {}  # step -> whether prepare_step created its group
 
     def take_prepared(step: int) -> bool:
@@ -353,10 +375,11 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
             bar.set_postfix_str(stage)
             bar.update(1)
 
+        handle = handles.pop(step)
         try:
             result = _finish_step(pending, advance)
         except BaseException:
-            writer.submit(lineage_writer.end_step, step, "FAILED")
+            queue.submit(lambda: handle.result().end("FAILED"))
             raise
         bar.close()
         if "train" in result.skipped:
@@ -372,9 +395,7 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
         published[result.policy.version] = result.policy
         results.append(result)
         plot = len(results) % cfg.mlflow.plot_every_steps == 0 or step == cfg.iterations - 1
-        logged = writer.submit(lineage_writer.log_step, step, result.policy, result.metrics, result.trace_events,
-                               [{"step": r.step, **r.metrics} for r in results] if plot else None)
-        logged.add_done_callback(_print_sample)
+        queue.submit(log_step, handle, result, [{"step": r.step, **r.metrics} for r in results] if plot else None)
         outer.update(1)
         outer.set_postfix(reward=f"{result.metrics.get('reward_mean', float('nan')):.3f}")
 
@@ -396,7 +417,8 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
             prev_train = in_flight[-1].train_gate if in_flight else ()
             # The child run spans the step from its submission (opened on the background queue's thread);
             # an interrupted process may have opened child runs for the steps it had in flight (s + 2).
-            writer.submit(lineage_writer.start_step, step, version, int(time.time() * 1000), step <= first_step + s + 1)
+            handles[step] = queue.submit(lineage.start_step, step, version, start_time_ms=int(time.time() * 1000),
+                                         reopen=step <= first_step + s + 1)
             in_flight.append(submit_iteration(client, cfg, pools, folder, step, behaviour, prev_train,
                                               prepared=take_prepared(step)))
             if step + 1 < cfg.iterations:  # its Zarr group, while this step runs
@@ -409,18 +431,11 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
         while in_flight:
             finish_oldest()
         queue.drain()
-        writer.drain()
     finally:
-        queue.close()  # a failing run: what is queued still runs
+        queue.close()  # a failing run: what is queued still runs (the failed step's child run ends)
     outer.close()
     _add_idle(results)
     return results
-
-
-def _print_sample(logged: Future) -> None:
-    """The decoded sample a step's lineage returns now and then, under the progress bars."""
-    if logged.exception() is None and logged.result():
-        tqdm.write(logged.result())
 
 
 def _idle_seconds(busy: list[tuple[float, float]], lo: float, hi: float) -> float:

@@ -211,17 +211,6 @@ class Lineage:
         # Through JSON first: tuples become lists, which yaml.dump writes as plain YAML.
         self.client.log_dict(self.run_id, json.loads(json.dumps(params, default=str)), "config.yaml")
 
-    @classmethod
-    def attached(cls, tracking_uri: str, experiment_id: str, run_id: str, params: dict[str, str]) -> "Lineage":
-        """A handle on parent run ``run_id`` that another process created, for logging from this
-        one (flows/lineage_writer.py): it makes no MLflow call."""
-        self = cls.__new__(cls)
-        self.tracking_uri, self.experiment_id, self.run_id = tracking_uri, experiment_id, run_id
-        self.params = dict(params)  # as flattened by __init__: logged on every child run
-        mlflow.set_tracking_uri(tracking_uri)
-        self.client = MlflowClient(tracking_uri)
-        return self
-
     def _log(self, run_id: str, metrics: dict[str, float] | None = None, params: dict[str, Any] | None = None,
              tags: dict[str, str] | None = None, step: int = 0) -> None:
         ts = _now_ms()

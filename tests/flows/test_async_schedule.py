@@ -127,24 +127,22 @@ def test_planner_by_hand():
 
 
 def test_host_cpu_counts_this_process_and_the_processes_it_started():
+    import select
     import subprocess
     import sys
-    import time
-
-    import psutil
 
     from flows.loop import _HostCPU
 
     meter = _HostCPU()
-    # The child burns a little more than the 0.4 CPU-s waited for: psutil reads the kernel's
-    # tick-rounded times, which can stay just under what process_time() saw at the same moment.
-    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass\ntime.sleep(30)"
-    child = subprocess.Popen([sys.executable, "-c", burn])
+    # The child burns 0.5 CPU-s, says so, then sleeps: both takes come after its burning has ended,
+    # so the second sees only what was spent between them. psutil reads the kernel's tick-rounded
+    # times, hence 0.4 for the 0.5 spent.
+    burn = ("import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass\n"
+            "print('burnt', flush=True)\ntime.sleep(30)")
+    child = subprocess.Popen([sys.executable, "-c", burn], stdout=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 30
-        while sum(psutil.Process(child.pid).cpu_times()[:2]) < 0.4:  # the child has burnt its 0.4 CPU-s
-            assert time.time() < deadline
-            time.sleep(0.05)
+        ready, _, _ = select.select([child.stdout], [], [], 30)
+        assert ready and child.stdout.readline().strip() == "burnt", "the child did not finish burning within 30 s"
         assert meter.take() >= 0.4  # the child's CPU, counted from its start
         assert meter.take() < 0.2  # the next take: only what was spent since
     finally:

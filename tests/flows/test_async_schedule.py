@@ -137,7 +137,7 @@ def test_host_cpu_counts_this_process_and_the_processes_it_started():
     # The child burns 0.5 CPU-s, says so, then sleeps: both takes come after its burning has ended,
     # so the second sees only what was spent between them. psutil reads the kernel's tick-rounded
     # times, hence 0.4 for the 0.5 spent.
-    burn = ("import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass\n"
+    burn = ("import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass\n"
             "print('burnt', flush=True)\ntime.sleep(30)")
     child = subprocess.Popen([sys.executable, "-c", burn], stdout=subprocess.PIPE, text=True)
     try:

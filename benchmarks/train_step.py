@@ -1,13 +1,15 @@
 """One training step of benchmarks/iteration.py's tiny scenario alone, with no other process running:
-the PP 2 1F1B pipeline (two local ranks, one torch thread each, stages/train/local.py) against one
-process over the whole batch on two threads and on one thread, as the iteration benchmark's loop
-trains.
+the PP 2 pipeline (two local ranks, one torch thread each, stages/train/local.py; 1F1B, or each of
+``--schedules``) against one process over the whole batch on two threads and on one thread, as the
+iteration benchmark's loop trains.
 
 Per variant ``--reps`` steps after one warm-up; the variants alternate ``--rounds`` times, and the
 medians are printed: step seconds (the pipeline's slowest rank), and for the pipeline each rank's
-busy seconds in its forward and backward actions (the rest of its step is waits on the other rank).
+busy seconds in its compute actions (forward, backward, and a split backward's input and weight
+parts; the rest of its step is waits on the other rank).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/train_step.py --reps 6 --rounds 2
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/train_step.py --reps 6 --rounds 2 --schedules 1f1b zb-h1 zbv:2
 """
 
 from __future__ import annotations
@@ -27,16 +29,19 @@ from stages.policy import build_stage, hf_state, load_hf_state  # noqa: E402
 from stages.steps import train_setup  # noqa: E402
 from stages.train.engine import TrainSetup  # noqa: E402
 from stages.train.local import run_local_pipeline  # noqa: E402
+from stages.train.layout import schedule_error  # noqa: E402
+from stages.train.timeline import COMPUTE_KINDS  # noqa: E402
 from stages.train.loss import grpo_microbatch_loss  # noqa: E402
 
 
-def _pipeline(cfg, model_cfg, model, batch, reps: int) -> tuple[list[float], list[float]]:
+def _pipeline(cfg, model_cfg, model, batch, reps: int, schedule: str = "1f1b",
+              virtual: int = 1) -> tuple[list[float], list[float]]:
     """(step seconds, busy seconds of the busier rank) of each measured PP 2 step."""
     setup = TrainSetup(model=model_cfg, pipeline_parallel_size=2, num_microbatches=cfg.num_microbatches,
-                       schedule="1f1b", timeout_s=300)
+                       schedule=schedule, virtual_stages=virtual, timeout_s=300)
     out = run_local_pipeline(setup, hf_state(model), [batch] * (reps + 1), calls=["train"] * (reps + 1))
     steps = [max(o.steps[c].metrics["step_seconds"] for o in out) for c in range(1, reps + 1)]
-    busy = [max(sum(a.seconds for a in o.steps[c].actions if a.kind in ("F", "B")) for o in out)
+    busy = [max(sum(a.seconds for a in o.steps[c].actions if a.kind in COMPUTE_KINDS) for o in out)
             for c in range(1, reps + 1)]
     return steps, busy
 
@@ -66,20 +71,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=2, help="alternations of the variants")
+    parser.add_argument("--schedules", nargs="+", default=["1f1b"], metavar="NAME[:V]",
+                        help="pipeline schedules to time, each with its stages per rank (default 1)")
     args = parser.parse_args()
     cfg, model_cfg, model, batch = _step("tiny")
-    times: dict[str, list[float]] = {"pp2": [], "pp2_busy": [], "two": [], "one": []}
+    pipes = [(name, int(v or 1)) for name, _, v in (s.partition(":") for s in args.schedules)]
+    for name, v in pipes:
+        problem = schedule_error(name, 2, cfg.num_microbatches, v, model_cfg.num_hidden_layers)
+        if problem:
+            parser.error(problem)
+    times: dict[str, list[float]] = {"two": [], "one": []}
     for _ in range(args.rounds):
-        steps, busy = _pipeline(cfg, model_cfg, model, batch, args.reps)
-        times["pp2"] += steps
-        times["pp2_busy"] += busy
+        for name, v in pipes:
+            steps, busy = _pipeline(cfg, model_cfg, model, batch, args.reps, name, v)
+            times.setdefault(f"{name}:{v}", []).extend(steps)
+            times.setdefault(f"{name}:{v} busy", []).extend(busy)
         times["two"] += _one_process(cfg, model_cfg, model, batch, args.reps, 2)
         times["one"] += _one_process(cfg, model_cfg, model, batch, args.reps, 1)
     med = {k: statistics.median(v) for k, v in times.items()}
-    print("| PP 2 1F1B step (s) | its busier rank's F + B (s) | one process, 2 threads (s) | one process, 1 thread (s) "
-          "| PP 2 / 2 threads | 1 thread / 2 threads |\n| --- | --- | --- | --- | --- | --- |")
-    print(f"| {med['pp2']:.3f} | {med['pp2_busy']:.3f} | {med['two']:.3f} | {med['one']:.3f} | "
-          f"{med['pp2'] / med['two']:.2f} | {med['one'] / med['two']:.2f} |")
+    print(f"one process over the whole batch: 2 threads {med['two']:.3f} s, 1 thread {med['one']:.3f} s "
+          f"(1 thread / 2 threads {med['one'] / med['two']:.2f})\n")
+    print("| PP 2 schedule | stages per rank | step (s) | its busier rank's compute (s) | step / one process, 2 threads |\n"
+          "| --- | --- | --- | --- | --- |")
+    for name, v in pipes:
+        step, busy = med[f"{name}:{v}"], med[f"{name}:{v} busy"]
+        print(f"| {name} | {v} | {step:.3f} | {busy:.3f} | {step / med['two']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -349,6 +349,17 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
         metrics = {k: float(v) for k, v in result.metrics.items()}
         metrics["lineage_seconds"] = time.perf_counter() - t0
         store.mark_complete(step, "lineage", metrics=metrics, mlflow_run_id=child.run_id)
+        if cfg.train.keep_optimizer_state == "latest":
+            # Steps are logged in order, so a resume now starts at step + 1, from the version this
+            # step published, or later. The version it started from keeps its state too, so that a
+            # rerun of this step (its group deleted) can still start from it; the ones before are
+            # never loaded again (from v0 on the first call: a process killed between a mark and
+            # its drop left one behind).
+            for version in range(dropped_below[0], step):
+                folder.policy_store().drop_optimizer_state(version)
+            dropped_below[0] = max(dropped_below[0], step)
+
+    dropped_below = [0]  # versions below this hold no optimiser state (train.keep_optimizer_state=latest)
 
     codecs: list[TextCodec] = []
 

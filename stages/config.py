@@ -47,6 +47,7 @@ def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
 
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 ESTIMATORS = ("grpo", "dr_grpo")
+KEEP_OPTIMIZER_STATE = ("latest", "all")
 REFERENCE_PARALLEL = ("pipeline", "data")
 ROLLOUT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 TRAIN_DEVICES = ("cpu", "cuda", "auto")
@@ -272,9 +273,16 @@ class TrainConfig:
     log-probs (the same values, bit for bit); for models small enough that every rank can hold the
     whole reference beside its policy stages, where it is faster (docs/performance.md). Needs
     tensor_model_parallel_size 1."""
+    keep_optimizer_state: str = "latest"
+    """Which policy versions keep the ranks' AdamW state (twice the weights' bytes in float32).
+    latest: a version's state is deleted once the step after the one starting from it is logged:
+    the versions the last logged step started from and published keep theirs, so a run resumes
+    where it stopped, or reruns its last logged step, as with all. all: every version keeps it (to
+    restart training from any version). Safe to change on resume."""
 
     def __post_init__(self) -> None:
         _one_of("train.schedule", self.schedule, SCHEDULES)
+        _one_of("train.keep_optimizer_state", self.keep_optimizer_state, KEEP_OPTIMIZER_STATE)
         _one_of("train.loss_aggregation", self.loss_aggregation, LOSS_AGGREGATIONS)
         _one_of("train.reference_parallel", self.reference_parallel, REFERENCE_PARALLEL)
         _one_of("train.device", self.device, TRAIN_DEVICES)

@@ -7,7 +7,9 @@ manifest is incomplete and is never loaded.
 
 Beside the shards, each training rank writes its AdamW state (``optim/rank<r>.safetensors``)
 before the manifest, so a published version holds everything the next step needs: a resumed run
-continues from it exactly as an uninterrupted one would.
+continues from it exactly as an uninterrupted one would. With train.keep_optimizer_state=latest
+(the default) a run deletes a version's AdamW state once the step after the one starting from it
+is logged, as no resume starts from that version again (:meth:`PolicyStore.drop_optimizer_state`).
 """
 
 from __future__ import annotations
@@ -103,8 +105,14 @@ class PolicyStore:
         return int(self._manifest(version).get("optimizer_ranks", 0))
 
     def load_optimizer_state(self, version: int, rank: int) -> dict[str, torch.Tensor] | None:
-        """Rank ``rank``'s optimiser state saved with ``version``; None when the version has none (v0)."""
-        if self.optimizer_ranks(version) == 0:
+        """Rank ``rank``'s optimiser state saved with ``version``; None when the version has none (v0).
+        Raises :class:`PolicyStoreError` for a version whose state :meth:`drop_optimizer_state` deleted."""
+        meta = self._manifest(version)
+        if meta.get("optimizer_dropped"):
+            raise PolicyStoreError(f"policy v{version} no longer holds its optimiser state (deleted once a later "
+                                   "step was logged, train.keep_optimizer_state=latest): training cannot restart "
+                                   "from it; resume the run from its latest step or start with --new")
+        if int(meta.get("optimizer_ranks", 0)) == 0:
             return None
         path = self.optimizer_path(version, rank)
         try:
@@ -207,6 +215,22 @@ class PolicyStore:
                 raise PolicyStoreError(f"policy v{version}: optimiser state {f} is missing or does not match "
                                        "the manifest's sha256; delete the run folder or start with --new")
         return PolicyRef(str(path), version, meta["sha256"], meta["num_bytes"])
+
+    def drop_optimizer_state(self, version: int) -> int:
+        """Delete ``version``'s optimiser state (train.keep_optimizer_state=latest: a run that has
+        logged steps ``version`` and ``version`` + 1 never resumes from it again); returns the bytes
+        freed. The manifest says so first, so that :meth:`verify` stops looking for the files and
+        :meth:`load_optimizer_state` refuses the version instead of starting a fresh optimiser."""
+        meta = self._manifest(version)
+        ranks = int(meta.get("optimizer_ranks", 0))
+        if ranks == 0:
+            return 0
+        folder = self.version_path(version) / _OPTIM_DIR
+        freed = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+        _atomic_write_text(self.version_path(version) / _MANIFEST, json.dumps(
+            {**meta, "optimizer_ranks": 0, "optimizer_sha256": {}, "optimizer_dropped": ranks}))
+        shutil.rmtree(folder, ignore_errors=True)
+        return freed
 
     def remove_from(self, version: int) -> None:
         """Drop versions >= ``version`` (a resumed run regenerates them)."""

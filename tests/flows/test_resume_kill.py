@@ -134,6 +134,12 @@ def test_final_policy_and_optimizer_state_equal(two_runs):
     ma = json.loads((a / "policy" / f"v{ITERATIONS}" / "grpoflow.json").read_text())
     mb = json.loads((b / "policy" / f"v{ITERATIONS}" / "grpoflow.json").read_text())
     assert ma["optimizer_sha256"] == mb["optimizer_sha256"] and ma["optimizer_ranks"] == 2
+    # train.keep_optimizer_state=latest: the state of every version but the last two is deleted once
+    # the steps after it are logged, in the killed-and-resumed run as in the other.
+    for run, store in ((a, pa), (b, pb)):
+        kept = [v for v in range(1, ITERATIONS + 1) if (run / "policy" / f"v{v}" / "optim").exists()]
+        assert kept == [ITERATIONS - 1, ITERATIONS], run.name
+        assert [store.optimizer_ranks(v) for v in range(1, ITERATIONS + 1)] == [0] * (ITERATIONS - 2) + [2, 2]
 
 
 def test_every_zarr_array_equal(two_runs):

@@ -83,6 +83,7 @@ def test_layers_must_cover_every_stage():
     (["train.virtual_pipeline_model_parallel_size=0"], "train.virtual_pipeline_model_parallel_size=0"),
     (["train.tensor_model_parallel_size=2"], "train.reference_parallel=pipeline"),  # the tiny config's data
     (["train.reference_parallel=replicated"], "train.reference_parallel='replicated' is not one of pipeline, data"),
+    (["train.keep_optimizer_state=none"], "train.keep_optimizer_state='none' is not one of latest, all"),
 ])
 def test_config_rejects_a_layout_in_one_line(overrides, key):
     with pytest.raises(ConfigError) as info:

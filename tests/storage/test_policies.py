@@ -151,3 +151,28 @@ def test_remove_from_drops_later_versions(tmp_path):
         store.save_policy(v, cfg.to_hf(), "", tensors)
     store.remove_from(1)
     assert store.latest_version() == 0 and not store.version_path(1).exists()
+
+
+def test_drop_optimizer_state_keeps_the_version_verifiable_and_refuses_to_restart_from_it(tmp_path):
+    cfg = make_cfg()
+    store = PolicyStore(tmp_path / "policy")
+    tensors = hf_state(make_model(cfg))
+    state = {"0.w.exp_avg": torch.randn(5, 3), "0.w.exp_avg_sq": torch.rand(5, 3), "0.w.step": torch.tensor(4.0)}
+    for v in (1, 2):
+        store.save_shard(v, 0, 1, tensors)
+        store.save_optimizer_state(v, 0, state)
+        store.finalize_policy(v, cfg.to_hf(), make_tokenizer_json(), 1)
+    store.save_policy(0, cfg.to_hf(), make_tokenizer_json(), tensors)  # v0: no optimiser state
+    sha = store.ref(1).sha256
+    freed = store.drop_optimizer_state(1)
+    assert freed == (tmp_path / "policy" / "v2" / "optim" / "rank0.safetensors").stat().st_size > 0
+    assert not (tmp_path / "policy" / "v1" / "optim").exists()
+    assert store.verify(1).sha256 == sha  # the weights are untouched and still hash to the manifest
+    assert store.optimizer_ranks(1) == 0
+    with pytest.raises(PolicyStoreError, match=r"policy v1 no longer holds its optimiser state"):
+        store.load_optimizer_state(1, 0)
+    assert store.drop_optimizer_state(1) == 0 and store.drop_optimizer_state(0) == 0
+    assert store.load_optimizer_state(0, 0) is None  # a fresh version is not a dropped one
+    loaded = store.load_optimizer_state(2, 0)  # the other version keeps its state, bit for bit
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
+    store.verify(2)

@@ -15,8 +15,9 @@ costs the run; ``iteration_seconds`` (submission to the last stage's end) is pri
 Scenarios:
 
 - tiny: configs/tiny.yaml as shipped (64 prompts x G 8, 6 new tokens, PP 2).
-- bench: hidden 512, 8 layers, 16 prompts x G 8, up to 64 new tokens, PP 2, length buckets, packed.
-  Policy v0 is the untrained model (warmup.steps=0): EOS has probability ~1/vocab per token, so
+- bench: hidden 512, 8 layers, 16 prompts x G 8, up to 64 new tokens, PP 2, length buckets, packed,
+  two rollout engines of one thread each (faster than one engine on two threads here:
+  docs/performance.md). Policy v0 is the untrained model (warmup.steps=0): EOS has probability ~1/vocab per token, so
   completion lengths spread geometrically, mean ~16 of 64.
 
 With ``rollout.max_staleness=1`` (an override) grpoflow generates step k+1 while it trains step k:
@@ -60,7 +61,7 @@ SCENARIOS: dict[str, list[str]] = {
     "bench": ["model.hidden_size=512", "model.intermediate_size=1376", "model.num_hidden_layers=8",
               "model.num_attention_heads=8", "model.num_key_value_heads=4", "task.prompts_per_step=16",
               "rollout.max_new_tokens=64", "warmup.steps=0", "train.micro_batch_size=8",
-              "train.length_buckets=[16,32,71]", "train.packing=true"],
+              "train.length_buckets=[16,32,71]", "train.packing=true", "rollout.num_engines=2"],
 }
 
 

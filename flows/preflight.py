@@ -28,7 +28,7 @@ __all__ = ["SAFE_TO_CHANGE", "PreflightError", "config_differences", "check_mode
 
 SAFE_TO_CHANGE = ("iterations", "runs_dir", "cluster.", "mlflow.", "plan.", "train.keep_optimizer_state")
 """Config keys (or key prefixes, ending in '.') a resumed run may change: they decide how long and
-where the run goes, not what it computes. docs/reliability.md lists them."""
+where the run goes and what it keeps on disk, not what it computes. docs/reliability.md lists them."""
 
 
 class PreflightError(ConfigError):

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from stages.policy import DecoderConfig, build_stage, to_hf_name
-from stages.rollout import EngineConfig, SamplingParams, generate
+from stages.rollout import SamplingParams, generate
 from stages.rollout import engine as engine_module
 from stages.rollout.paged_kv import PagedKVCache
 from stages.rollout.engine import engine_placement

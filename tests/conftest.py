@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
@@ -85,7 +86,8 @@ def _one_torch_thread():
 
 def assert_same_runs(a: Path, b: Path, steps: int, min_weight_files: int) -> None:
     """Two run folders hold steps 0 .. steps-1 with equal Zarr arrays, array by array, and byte-equal
-    policy safetensors files (at least ``min_weight_files`` of them)."""
+    policy safetensors files where both hold them (at least ``min_weight_files``); a file only one
+    holds is optimiser state the other deleted."""
     import zarr  # here, so that the stages' tests import this file where Zarr is not installed
 
     za = zarr.open_group(str(a / "rollouts.zarr"), mode="r")
@@ -101,5 +103,14 @@ def assert_same_runs(a: Path, b: Path, steps: int, min_weight_files: int) -> Non
         return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
                 for p in sorted((run_dir / "policy").rglob("*.safetensors"))}
 
+    def dropped(run_dir: Path, rel: str) -> bool:
+        """``rel`` is optimiser state that run deleted (train.keep_optimizer_state=latest)."""
+        parts = Path(rel).parts  # policy/v<k>/optim/rank<r>.safetensors
+        manifest = run_dir / parts[0] / parts[1] / "grpoflow.json"
+        return len(parts) == 4 and parts[2] == "optim" and bool(json.loads(manifest.read_text()).get("optimizer_dropped"))
+
     sha_a, sha_b = weights(a), weights(b)
-    assert len(sha_a) >= min_weight_files and sha_a == sha_b
+    shared = sha_a.keys() & sha_b.keys()
+    assert len(shared) >= min_weight_files and {k: sha_a[k] for k in shared} == {k: sha_b[k] for k in shared}
+    # A file only one run holds is optimiser state the other deleted (a path that logs no steps keeps it all).
+    assert all(dropped(b, k) for k in sha_a.keys() - shared) and all(dropped(a, k) for k in sha_b.keys() - shared)

@@ -28,10 +28,10 @@ from reference_parallel import _step  # noqa: E402
 from stages.policy import build_stage, hf_state, load_hf_state  # noqa: E402
 from stages.steps import train_setup  # noqa: E402
 from stages.train.engine import TrainSetup  # noqa: E402
-from stages.train.local import run_local_pipeline  # noqa: E402
 from stages.train.layout import schedule_error  # noqa: E402
-from stages.train.timeline import COMPUTE_KINDS  # noqa: E402
+from stages.train.local import run_local_pipeline  # noqa: E402
 from stages.train.loss import grpo_microbatch_loss  # noqa: E402
+from stages.train.timeline import COMPUTE_KINDS  # noqa: E402
 
 
 def _pipeline(cfg, model_cfg, model, batch, reps: int, schedule: str = "1f1b",
@@ -80,23 +80,24 @@ def main() -> None:
         problem = schedule_error(name, 2, cfg.num_microbatches, v, model_cfg.num_hidden_layers)
         if problem:
             parser.error(problem)
-    times: dict[str, list[float]] = {"two": [], "one": []}
+    steps: dict[tuple[str, int], list[float]] = {p: [] for p in pipes}
+    busy: dict[tuple[str, int], list[float]] = {p: [] for p in pipes}
+    one_process: dict[int, list[float]] = {2: [], 1: []}  # threads -> step seconds
     for _ in range(args.rounds):
         for name, v in pipes:
-            steps, busy = _pipeline(cfg, model_cfg, model, batch, args.reps, name, v)
-            times.setdefault(f"{name}:{v}", []).extend(steps)
-            times.setdefault(f"{name}:{v} busy", []).extend(busy)
-        times["two"] += _one_process(cfg, model_cfg, model, batch, args.reps, 2)
-        times["one"] += _one_process(cfg, model_cfg, model, batch, args.reps, 1)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"one process over the whole batch: 2 threads {med['two']:.3f} s, 1 thread {med['one']:.3f} s "
-          f"(1 thread / 2 threads {med['one'] / med['two']:.2f})\n")
+            s, b = _pipeline(cfg, model_cfg, model, batch, args.reps, name, v)
+            steps[name, v] += s
+            busy[name, v] += b
+        for threads, times in one_process.items():
+            times += _one_process(cfg, model_cfg, model, batch, args.reps, threads)
+    two, one = (statistics.median(one_process[t]) for t in (2, 1))
+    print(f"one process over the whole batch: 2 threads {two:.3f} s, 1 thread {one:.3f} s "
+          f"(1 thread / 2 threads {one / two:.2f})\n")
     print("| PP 2 schedule | stages per rank | step (s) | its busier rank's compute (s) | step / one process, 2 threads |\n"
           "| --- | --- | --- | --- | --- |")
     for name, v in pipes:
-        step, busy = med[f"{name}:{v}"], med[f"{name}:{v} busy"]
-        print(f"| {name} | {v} | {step:.3f} | {busy:.3f} | {step / med['two']:.2f} |")
-
+        step = statistics.median(steps[name, v])
+        print(f"| {name} | {v} | {step:.3f} | {statistics.median(busy[name, v]):.3f} | {step / two:.2f} |")
 
 if __name__ == "__main__":
     main()

@@ -328,6 +328,7 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
     def log_step(handle: Future, result: IterationResult, plot_rows: list[dict] | None) -> None:
         """The step's lineage (on the background queue's thread), then its "lineage" mark: written
         last, with the step's metrics for summary.json, it says the step needs no rerun."""
+        nonlocal dropped_below
         t0 = time.perf_counter()
         step = result.step
         trace_path = folder.save_trace(step, result.trace_events)
@@ -355,11 +356,11 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
             # rerun of this step (its group deleted) can still start from it; the ones before are
             # never loaded again (from v0 on the first call: a process killed between a mark and
             # its drop left one behind).
-            for version in range(dropped_below[0], step):
+            for version in range(dropped_below, step):
                 folder.policy_store().drop_optimizer_state(version)
-            dropped_below[0] = max(dropped_below[0], step)
+            dropped_below = max(dropped_below, step)
 
-    dropped_below = [0]  # versions below this hold no optimiser state (train.keep_optimizer_state=latest)
+    dropped_below = 0  # versions below this hold no optimiser state (train.keep_optimizer_state=latest)
 
     codecs: list[TextCodec] = []
 

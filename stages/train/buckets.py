@@ -18,7 +18,11 @@ Placement, a deterministic function of the stored lengths (so every rank plans t
 2. Buckets are filled widest first. Within a bucket, its groups go into microbatches as in plan.py
    (whole if they fit an empty microbatch, else split at sequence boundaries; packed sequences go
    first-fit into the open microbatch's rows), and the microbatches are cut into passes (below).
-   Groups are taken in store order, and again longest first; the plan with fewer slots is kept.
+   Groups are taken in store order, and again longest first; and both again with groups split at
+   microbatch boundaries (a group that does not fit the open microbatch whole fills its room
+   sequence by sequence and goes on in a fresh one). The plan with the fewest slots is kept, whole
+   groups on a tie. Splitting is exact for the same reason as the passes: the loss weights'
+   denominators are those of the global batch, fixed before the pipeline runs.
 3. The bucket's last microbatches are usually part-empty: before moving on, whole groups of
    narrower buckets (widest first, in the same group order) move into their free room.
 
@@ -250,17 +254,19 @@ def plan_passes(seq_len: np.ndarray, layout: BucketedLayout) -> BucketedPlan:
     home = np.searchsorted(np.asarray(layout.widths), groups.max(axis=1))  # narrowest T_b >= longest
     store_order = np.arange(layout.num_groups)
     longest_first = np.argsort(-groups.sum(axis=1), kind="stable")
-    plans = [_search(seq_len, layout, home, order) for order in (store_order, longest_first)]
-    return min(plans, key=lambda p: p.num_slots)  # a tie keeps store order
+    plans = [_search(seq_len, layout, home, order, split)
+             for split in (False, True) for order in (store_order, longest_first)]
+    return min(plans, key=lambda p: p.num_slots)  # a tie keeps whole groups, then store order
 
 
-def _search(seq_len: np.ndarray, layout: BucketedLayout, home: np.ndarray, order: np.ndarray) -> BucketedPlan:
+def _search(seq_len: np.ndarray, layout: BucketedLayout, home: np.ndarray, order: np.ndarray,
+            split: bool) -> BucketedPlan:
     """Candidates: groups below bucket c all moved up to c (c = 0: every group at home); the best,
     then single buckets moved up one while that saves slots. Ties keep the narrower placement."""
     best = None
     for c in range(len(layout.buckets)):
         trial = np.maximum(home, c)
-        plan = _plan_homes(seq_len, layout, trial, order)
+        plan = _plan_homes(seq_len, layout, trial, order, split)
         if best is None or plan.num_slots < best.num_slots:
             best, chosen = plan, trial
     home = chosen
@@ -271,22 +277,24 @@ def _search(seq_len: np.ndarray, layout: BucketedLayout, home: np.ndarray, order
             if not (home == b).any():
                 continue
             trial = np.where(home == b, b + 1, home)
-            plan = _plan_homes(seq_len, layout, trial, order)
+            plan = _plan_homes(seq_len, layout, trial, order, split)
             if plan.num_slots < best.num_slots:
                 home, best, improved = trial, plan, True
     return best
 
 
-def _plan_homes(seq_len: np.ndarray, layout: BucketedLayout, home: np.ndarray, order: np.ndarray) -> BucketedPlan:
+def _plan_homes(seq_len: np.ndarray, layout: BucketedLayout, home: np.ndarray, order: np.ndarray,
+                split: bool) -> BucketedPlan:
     """The passes when group g starts in bucket home[g], groups taken in ``order`` (steps 2 and 3
-    of the module docstring)."""
+    of the module docstring); ``split``: a group that does not fit the open microbatch whole fills
+    its room sequence by sequence and goes on in a fresh one."""
     G, N = layout.group_size, layout.num_groups * layout.group_size
     groups = seq_len.reshape(layout.num_groups, G)
     pending = [[int(g) for g in order if home[g] == b] for b in range(len(layout.buckets))]
     sample_pass, row, start = (np.zeros(N, np.int64) for _ in range(3))
     pass_bucket: list[int] = []
     pass_microbatches: list[int] = []
-    split: list[int] = []
+    split_groups: list[int] = []
     for b in reversed(range(len(layout.buckets))):
         if not pending[b]:
             continue
@@ -294,14 +302,19 @@ def _plan_homes(seq_len: np.ndarray, layout: BucketedLayout, home: np.ndarray, o
         cursor = _FirstFit(bucket)
         placed: list[tuple[int, list[tuple[int, int, int]]]] = []  # (group, [(mb, row, col)])
         for g in pending[b]:
-            spots = _place_group(cursor, groups[g], None)
-            if spots is None:  # fits no empty microbatch: sequence by sequence, next-fit
-                split.append(g)
+            whole = cursor.fit(groups[g])
+            if whole is not None:
+                spots = cursor.commit(whole, groups[g], fresh=False)
+            elif not split and cursor.fit(groups[g], fresh=True) is not None:
+                spots = cursor.commit(cursor.fit(groups[g], fresh=True), groups[g], fresh=True)
+            else:  # sequence by sequence: the open microbatch's room, then fresh ones
                 spots = []
                 for n in groups[g][:, None]:
                     spot = cursor.fit(n)
                     fresh = spot is None
                     spots += cursor.commit(spot or cursor.fit(n, fresh=True), n, fresh=fresh)
+                if len({mb for mb, _, _ in spots}) > 1:
+                    split_groups.append(g)
             placed.append((g, spots))
         sizes = layout.pass_sizes(cursor.mb + 1)
         for c in reversed(range(b)):  # fill the passes' free room with narrower groups
@@ -322,4 +335,4 @@ def _plan_homes(seq_len: np.ndarray, layout: BucketedLayout, home: np.ndarray, o
                 row[i] = (mb - (ends[j] - sizes[j])) * bucket.rows + r
                 start[i] = col
     return BucketedPlan(layout, tuple(pass_bucket), tuple(pass_microbatches), sample_pass, row, start, seq_len,
-                        tuple(split))
+                        tuple(split_groups))

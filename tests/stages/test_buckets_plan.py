@@ -46,6 +46,20 @@ def test_a_bucket_holding_a_fraction_of_a_pass_moves_up():
     assert plan.pass_bucket == (1, 1) and plan.num_slots == 4 * 44
 
 
+def test_a_group_splits_at_a_microbatch_boundary_where_that_saves_a_microbatch():
+    # Rows of 8 slots, 6 to a microbatch; three groups of four 5-token sequences. Whole groups take
+    # one microbatch each (3 x 48 slots); split, g1 fills the last two rows of the first microbatch
+    # and goes on in the second: 2 x 48 slots.
+    layout = bucketed_layout(3, 4, 5, 6, 48, (8,), packing=False, microbatches=1, max_microbatches=None)
+    plan = plan_passes(np.full(12, 5), layout)
+    assert plan.pass_bucket == (0,) and plan.pass_microbatches == (2,) and plan.num_slots == 96
+    assert plan.row.tolist() == list(range(12)) and plan.split_groups == (1,)
+    # Where splitting saves nothing, groups stay whole: two groups in a pass of 2 microbatches fill
+    # 2 x [4, 11] exactly (88 slots; in 2 x [6, 8], split or not, they would take 96).
+    whole = plan_passes(np.full(8, 5), bucketed_layout(2, 4, 5, 6, 48, (8,), False, 2))
+    assert whole.split_groups == () and whole.pass_bucket == (1,) and whole.num_slots == 88
+
+
 def test_microbatches_per_pass_vary_by_hand():
     # Five groups of four 11-token sequences: one group per [4, 11] microbatch, 5 microbatches.
     seq = np.full(20, 11)

@@ -18,10 +18,10 @@ Placement, a deterministic function of the stored lengths (so every rank plans t
 2. Buckets are filled widest first. Within a bucket, its groups go into microbatches as in plan.py
    (whole if they fit an empty microbatch, else split at sequence boundaries; packed sequences go
    first-fit into the open microbatch's rows), and the microbatches are cut into passes (below).
-   Groups are taken in store order, and again longest first; and both again with groups split at
-   microbatch boundaries (a group that does not fit the open microbatch whole fills its room
-   sequence by sequence and goes on in a fresh one). The plan with the fewest slots is kept, whole
-   groups on a tie. Splitting is exact for the same reason as the passes: the loss weights'
+   Groups are taken in store order, and again longest first; and both again with groups free to
+   split: the bucket's sequences go one by one, longest first, into the first row with room among
+   all rows opened so far (first-fit decreasing), narrower groups into the free room the same way.
+   The plan with the fewest slots is kept, whole groups on a tie. Splitting is exact for the same reason as the passes: the loss weights'
    denominators are those of the global batch, fixed before the pipeline runs.
 3. The bucket's last microbatches are usually part-empty: before moving on, whole groups of
    narrower buckets (widest first, in the same group order) move into their free room.
@@ -228,6 +228,39 @@ class _FirstFit(_Cursor):
         return super().commit(spots, lengths, fresh)
 
 
+class _Rows:
+    """Sequences placed one at a time, longest first, into the first row with room among all the
+    rows opened so far (first-fit decreasing), else a new row; a microbatch is every ``rows``
+    consecutive rows. Padded rows hold one sequence each. Groups end up split wherever that packs."""
+
+    def __init__(self, layout: MicrobatchLayout):
+        self.layout = layout
+        self.fill = np.zeros(0, np.int64)  # tokens used in each row
+
+    @property
+    def microbatches(self) -> int:
+        return math.ceil(len(self.fill) / self.layout.rows)
+
+    def place(self, lengths: np.ndarray, max_rows: Optional[int] = None) -> Optional[list[tuple[int, int, int]]]:
+        """(microbatch, row, col) of each sequence, in the order given; None (nothing placed) if
+        they need more than ``max_rows`` rows."""
+        L, fill = self.layout, self.fill.copy()
+        out: list[tuple[int, int, int]] = [(0, 0, 0)] * len(lengths)
+        for k in np.argsort(-np.asarray(lengths), kind="stable"):
+            n = int(lengths[k])
+            room = np.flatnonzero(fill + n <= L.seq_len) if L.packing else ()
+            if len(room):
+                r = int(room[0])
+            elif max_rows is not None and len(fill) >= max_rows:
+                return None
+            else:
+                r, fill = len(fill), np.append(fill, 0)
+            out[k] = (r // L.rows, r % L.rows, int(fill[r]))
+            fill[r] += n
+        self.fill = fill
+        return out
+
+
 def _place_group(cursor: _Cursor, lengths: np.ndarray, limit: Optional[int]) -> Optional[list[tuple[int, int, int]]]:
     """Place a whole group next-fit (open microbatch, else a fresh one below ``limit`` microbatches);
     None if it fits neither."""
@@ -286,8 +319,8 @@ def _search(seq_len: np.ndarray, layout: BucketedLayout, home: np.ndarray, order
 def _plan_homes(seq_len: np.ndarray, layout: BucketedLayout, home: np.ndarray, order: np.ndarray,
                 split: bool) -> BucketedPlan:
     """The passes when group g starts in bucket home[g], groups taken in ``order`` (steps 2 and 3
-    of the module docstring); ``split``: a group that does not fit the open microbatch whole fills
-    its room sequence by sequence and goes on in a fresh one."""
+    of the module docstring); ``split``: the bucket's sequences go into rows one by one, first-fit
+    decreasing (:class:`_Rows`), and narrower groups into the free room the same way."""
     G, N = layout.group_size, layout.num_groups * layout.group_size
     groups = seq_len.reshape(layout.num_groups, G)
     pending = [[int(g) for g in order if home[g] == b] for b in range(len(layout.buckets))]
@@ -299,30 +332,33 @@ def _plan_homes(seq_len: np.ndarray, layout: BucketedLayout, home: np.ndarray, o
         if not pending[b]:
             continue
         bucket = layout.buckets[b]
-        cursor = _FirstFit(bucket)
         placed: list[tuple[int, list[tuple[int, int, int]]]] = []  # (group, [(mb, row, col)])
-        for g in pending[b]:
-            whole = cursor.fit(groups[g])
-            if whole is not None:
-                spots = cursor.commit(whole, groups[g], fresh=False)
-            elif not split and cursor.fit(groups[g], fresh=True) is not None:
-                spots = cursor.commit(cursor.fit(groups[g], fresh=True), groups[g], fresh=True)
-            else:  # sequence by sequence: the open microbatch's room, then fresh ones
-                spots = []
-                for n in groups[g][:, None]:
-                    spot = cursor.fit(n)
-                    fresh = spot is None
-                    spots += cursor.commit(spot or cursor.fit(n, fresh=True), n, fresh=fresh)
-                if len({mb for mb, _, _ in spots}) > 1:
-                    split_groups.append(g)
-            placed.append((g, spots))
-        sizes = layout.pass_sizes(cursor.mb + 1)
+        if split:
+            rows = _Rows(bucket)
+            spots = rows.place(groups[pending[b]].reshape(-1))
+            placed += [(g, spots[i * G:(i + 1) * G]) for i, g in enumerate(pending[b])]
+            sizes = layout.pass_sizes(rows.microbatches)
+            place = lambda lengths: rows.place(lengths, sum(sizes) * bucket.rows)  # noqa: E731
+        else:
+            cursor = _FirstFit(bucket)
+            for g in pending[b]:
+                spots = _place_group(cursor, groups[g], None)
+                if spots is None:  # fits no empty microbatch: sequence by sequence, next-fit
+                    spots = []
+                    for n in groups[g][:, None]:
+                        spot = cursor.fit(n)
+                        fresh = spot is None
+                        spots += cursor.commit(spot or cursor.fit(n, fresh=True), n, fresh=fresh)
+                placed.append((g, spots))
+            sizes = layout.pass_sizes(cursor.mb + 1)
+            place = lambda lengths: _place_group(cursor, lengths, sum(sizes))  # noqa: E731
         for c in reversed(range(b)):  # fill the passes' free room with narrower groups
             for g in list(pending[c]):
-                spots = _place_group(cursor, groups[g], sum(sizes))
+                spots = place(groups[g])
                 if spots is not None:
                     placed.append((g, spots))
                     pending[c].remove(g)
+        split_groups += [g for g, spots in placed if len({mb for mb, _, _ in spots}) > 1]
         first = len(pass_bucket)
         pass_bucket += [b] * len(sizes)
         pass_microbatches += sizes

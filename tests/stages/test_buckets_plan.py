@@ -46,7 +46,7 @@ def test_a_bucket_holding_a_fraction_of_a_pass_moves_up():
     assert plan.pass_bucket == (1, 1) and plan.num_slots == 4 * 44
 
 
-def test_a_group_splits_at_a_microbatch_boundary_where_that_saves_a_microbatch():
+def test_groups_split_where_that_saves_microbatches():
     # Rows of 8 slots, 6 to a microbatch; three groups of four 5-token sequences. Whole groups take
     # one microbatch each (3 x 48 slots); split, g1 fills the last two rows of the first microbatch
     # and goes on in the second: 2 x 48 slots.
@@ -54,6 +54,14 @@ def test_a_group_splits_at_a_microbatch_boundary_where_that_saves_a_microbatch()
     plan = plan_passes(np.full(12, 5), layout)
     assert plan.pass_bucket == (0,) and plan.pass_microbatches == (2,) and plan.num_slots == 96
     assert plan.row.tolist() == list(range(12)) and plan.split_groups == (1,)
+    # Packed rows of 11, 2 to a microbatch, groups [7, 11], [4, 10], [8, 2]. Whole groups take 3
+    # microbatches (g1's 10 does not fit beside g0, g2's 8 not beside g1). Longest first into the
+    # first row with room: 11 r0, 10 r1, 8 r2, 7 r3, 4 after the 7, 2 after the 8: 4 rows, 2
+    # microbatches, with g0 and g1 split across them.
+    packed = plan_passes(np.array([7, 11, 4, 10, 8, 2]),
+                         bucketed_layout(3, 2, 5, 6, 22, (), packing=True, microbatches=1, max_microbatches=None))
+    assert packed.num_slots == 2 * 22 and packed.split_groups == (0, 1)
+    assert packed.row.tolist() == [3, 0, 3, 1, 2, 2] and packed.start.tolist() == [0, 0, 7, 0, 0, 8]
     # Where splitting saves nothing, groups stay whole: two groups in a pass of 2 microbatches fill
     # 2 x [4, 11] exactly (88 slots; in 2 x [6, 8], split or not, they would take 96).
     whole = plan_passes(np.full(8, 5), bucketed_layout(2, 4, 5, 6, 48, (8,), False, 2))

@@ -10,6 +10,12 @@ before the manifest, so a published version holds everything the next step needs
 continues from it exactly as an uninterrupted one would. With train.keep_optimizer_state=latest
 (the default) a run deletes a version's AdamW state once the step after the one starting from it
 is logged, as no resume starts from that version again (:meth:`PolicyStore.drop_optimizer_state`).
+
+A dropped rank's file is kept as that rank's spare (``policy/.spare/optim-rank<r>``, one per rank)
+and the rank's next state is written over it in place, when it holds the same tensors (names,
+dtypes, shapes: every step of a run): the header safetensors wrote stays, and the payload goes
+at the offsets it records. A write into pages the file already has costs a fraction of one into a
+new file on a VM that faults in every page it has not touched (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -29,6 +35,10 @@ from safetensors.torch import load_file, save_file
 __all__ = ["PolicyStoreError", "PolicyRef", "PolicyStore", "load_model_folder", "load_tokenizer_json"]
 
 _OPTIM_DIR = "optim"
+_SPARE_DIR = ".spare"
+# safetensors' dtype names of the dtypes optimiser state holds (an unknown dtype: a fresh file).
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16",
+                       torch.int64: "I64", torch.int32: "I32"}
 
 _MANIFEST = "grpoflow.json"
 # Files of a source HF folder a version carries over, so that a tokenizer (chat template, special
@@ -56,6 +66,37 @@ def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def _overwrite_payload(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bool:
+    """Write ``tensors`` into the safetensors file ``path`` in place, at the offsets of its header,
+    if the header lists exactly these names, dtypes and shapes (and ``metadata``) and the file ends
+    with the last tensor; else change nothing and return False."""
+    with open(path, "r+b") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            return False
+        n = int.from_bytes(head, "little")
+        try:
+            header = json.loads(fh.read(n))
+            if header.pop("__metadata__", None) != metadata or header.keys() != tensors.keys():
+                return False
+            offsets, end = {}, 0
+            for name, t in tensors.items():
+                entry = header[name]
+                begin, stop = (int(x) for x in entry["data_offsets"])
+                if (entry["dtype"] != _SAFETENSORS_DTYPES.get(t.dtype) or entry["shape"] != list(t.shape)
+                        or stop - begin != t.numel() * t.element_size()):
+                    return False
+                offsets[name], end = begin, max(end, stop)
+        except (ValueError, KeyError, TypeError, AttributeError):  # not a header this writer knows
+            return False
+        if os.fstat(fh.fileno()).st_size != 8 + n + end:
+            return False
+        for name, t in tensors.items():
+            fh.seek(8 + n + offsets[name])
+            fh.write(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return True
 
 
 def _file_sha256(path: Path) -> str:
@@ -87,14 +128,25 @@ class PolicyStore:
     def optimizer_path(self, version: int, rank: int) -> Path:
         return self.version_path(version) / _OPTIM_DIR / f"rank{rank}.safetensors"
 
+    def spare_path(self, rank: int) -> Path:
+        """Where a dropped version's optimiser file of ``rank`` waits to be written over (module docstring)."""
+        return self.root / _SPARE_DIR / f"optim-rank{rank}"
+
     def save_optimizer_state(self, version: int, rank: int, tensors: dict[str, torch.Tensor]) -> int:
-        """Write training rank ``rank``'s optimiser state after the step that made ``version``;
-        returns the bytes written."""
+        """Write training rank ``rank``'s optimiser state after the step that made ``version``, over
+        the rank's spare file where it holds the same tensors; returns the bytes written."""
         target = self.optimizer_path(version, rank)
         tmp = target.with_suffix(".tmp")
+        metadata = {"format": "pt"}
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
+            try:
+                os.replace(self.spare_path(rank), tmp)  # claim the spare: one rename, no other writer sees it
+                reused = _overwrite_payload(tmp, tensors, metadata)
+            except FileNotFoundError:
+                reused = False
+            if not reused:
+                save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
             os.replace(tmp, target)
         except Exception as exc:
             raise PolicyStoreError(f"cannot write the optimiser state of rank {rank} of policy v{version}: {exc}") from exc
@@ -219,8 +271,9 @@ class PolicyStore:
     def drop_optimizer_state(self, version: int) -> int:
         """Delete ``version``'s optimiser state (train.keep_optimizer_state=latest: a run that has
         logged steps ``version`` and ``version`` + 1 never resumes from it again); returns the bytes
-        freed. The manifest says so first, so that :meth:`verify` stops looking for the files and
-        :meth:`load_optimizer_state` refuses the version instead of starting a fresh optimiser."""
+        taken out of the version. The manifest says so first, so that :meth:`verify` stops looking
+        for the files and :meth:`load_optimizer_state` refuses the version instead of starting a
+        fresh optimiser. A rank's file becomes its spare where it has none (module docstring)."""
         meta = self._manifest(version)
         ranks = int(meta.get("optimizer_ranks", 0))
         if ranks == 0:
@@ -229,6 +282,14 @@ class PolicyStore:
         freed = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
         _atomic_write_text(self.version_path(version) / _MANIFEST, json.dumps(
             {**meta, "optimizer_ranks": 0, "optimizer_sha256": {}, "optimizer_dropped": ranks}))
+        (self.root / _SPARE_DIR).mkdir(exist_ok=True)
+        for rank in range(ranks):
+            spare = self.spare_path(rank)
+            if not spare.exists():
+                try:
+                    os.replace(self.optimizer_path(version, rank), spare)
+                except FileNotFoundError:  # a drop cut short earlier moved it already
+                    pass
         shutil.rmtree(folder, ignore_errors=True)
         return freed
 

@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 import transformers  # a test dependency: the parity checks fail, never skip, without it
 
 from stages.policy import DecoderConfig, build_stage, hf_state, load_hf_state, stage_hf_names
 from stages.tasks.addition import make_tokenizer_json
+from storage import policies
 from storage.policies import PolicyStore, PolicyStoreError, load_model_folder
 
 _LOGITS_ATOL = 1e-5  # same fp32 weights, two implementations
@@ -176,3 +178,48 @@ def test_drop_optimizer_state_keeps_the_version_verifiable_and_refuses_to_restar
     loaded = store.load_optimizer_state(2, 0)  # the other version keeps its state, bit for bit
     assert all(torch.equal(loaded[k], state[k]) for k in state)
     store.verify(2)
+
+
+def test_a_dropped_optimiser_file_is_written_over_in_place_by_the_next_state(tmp_path, monkeypatch):
+    written = []  # the files safetensors' save_file writes (a file written over in place is not one)
+    monkeypatch.setattr(policies, "save_file", lambda t, path, **kw: (written.append(Path(path).name),
+                                                                      save_file(t, path, **kw)))
+    cfg = make_cfg()
+    store = PolicyStore(tmp_path / "policy")
+    tensors = hf_state(make_model(cfg))
+
+    def state(seed: int, rows: int = 5) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        return {"0.w.exp_avg": torch.randn(rows, 3, generator=g), "0.w.exp_avg_sq": torch.rand(rows, 3, generator=g),
+                "0.w.step": torch.tensor(float(seed)), "1.b.exp_avg": torch.randn(7, generator=g).bfloat16()}
+
+    def publish(v: int, s: dict[str, torch.Tensor]) -> None:
+        store.save_shard(v, 0, 1, tensors)
+        store.save_optimizer_state(v, 0, s)
+        store.finalize_policy(v, cfg.to_hf(), make_tokenizer_json(), 1)
+
+    for v in (1, 2):
+        publish(v, state(v))
+    inode = store.optimizer_path(1, 0).stat().st_ino
+    store.drop_optimizer_state(1)
+    assert store.spare_path(0).stat().st_ino == inode
+    written.clear()
+    publish(3, state(3))
+    path = store.optimizer_path(3, 0)
+    assert path.stat().st_ino == inode and not store.spare_path(0).exists()  # the same file, written over
+    assert written == ["model-00001-of-00001.tmp"]  # the shard only
+    save_file(state(3), str(tmp_path / "fresh.safetensors"), metadata={"format": "pt"})
+    assert path.read_bytes() == (tmp_path / "fresh.safetensors").read_bytes()  # what a fresh write holds
+    store.verify(3)
+    assert all(torch.equal(store.load_optimizer_state(3, 0)[k], v) for k, v in state(3).items())
+    # A spare of other shapes, or one that is not a safetensors file, is not written over in place:
+    # the state is written fresh, as it would be without a spare.
+    store.drop_optimizer_state(2)
+    publish(4, state(4, rows=6))
+    store.drop_optimizer_state(3)
+    store.spare_path(0).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all")
+    publish(5, state(5))
+    assert written.count("rank0.tmp") == 2  # v4 and v5: written fresh
+    for v, s in ((4, state(4, rows=6)), (5, state(5))):
+        assert all(torch.equal(store.load_optimizer_state(v, 0)[k], t) for k, t in s.items())
+        store.verify(v)

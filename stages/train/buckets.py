@@ -21,8 +21,9 @@ Placement, a deterministic function of the stored lengths (so every rank plans t
    Groups are taken in store order, and again longest first; and both again with groups free to
    split: the bucket's sequences go one by one, longest first, into the first row with room among
    all rows opened so far (first-fit decreasing), narrower groups into the free room the same way.
-   The plan with the fewest slots is kept, whole groups on a tie. Splitting is exact for the same reason as the passes: the loss weights'
-   denominators are those of the global batch, fixed before the pipeline runs.
+   The plan with the fewest slots is kept, whole groups on a tie. Splitting is exact for the same
+   reason as the passes: the loss weights' denominators are the global batch's, fixed before the
+   pipeline runs.
 3. The bucket's last microbatches are usually part-empty: before moving on, whole groups of
    narrower buckets (widest first, in the same group order) move into their free room.
 

@@ -17,8 +17,8 @@ Scenarios:
 - tiny: configs/tiny.yaml as shipped (64 prompts x G 8, 6 new tokens, PP 2).
 - bench: hidden 512, 8 layers, 16 prompts x G 8, up to 64 new tokens, PP 2, length buckets, packed,
   two rollout engines of one thread each (faster than one engine on two threads here:
-  docs/performance.md). Policy v0 is the untrained model (warmup.steps=0): EOS has probability ~1/vocab per token, so
-  completion lengths spread geometrically, mean ~16 of 64.
+  docs/performance.md). Policy v0 is the untrained model (warmup.steps=0): EOS has probability
+  ~1/vocab per token, so completion lengths spread geometrically, mean ~16 of 64.
 
 With ``rollout.max_staleness=1`` (an override) grpoflow generates step k+1 while it trains step k:
 another algorithm (one version stale, decoupled PPO), measured against the same synchronous loop on

@@ -99,5 +99,6 @@ def main() -> None:
         step = statistics.median(steps[name, v])
         print(f"| {name} | {v} | {step:.3f} | {statistics.median(busy[name, v]):.3f} | {step / two:.2f} |")
 
+
 if __name__ == "__main__":
     main()

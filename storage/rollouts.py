@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,9 @@ import dask.array as da
 import numpy as np
 import zarr
 import zarr.api.asynchronous
+from zarr.core.array import AsyncArray
 from zarr.core.sync import sync
+from zarr.storage import LocalStore, StorePath
 
 __all__ = ["RolloutStoreError", "StepRef", "StepLayout", "ARRAYS", "RolloutStore"]
 
@@ -34,11 +37,15 @@ class RolloutStoreError(RuntimeError):
 
 
 # Open array handles of this process, keyed by (path, mode) and checked against the array's
-# metadata file: opening an array reads and parses its zarr.json (~1 ms each, seven per training
-# read), and a step recreated by create_step gets a new metadata file, so a stale handle is
+# metadata file: a step recreated by create_step gets a new metadata file, so a stale handle is
 # never used. Handles hold no data, only the store path and the parsed metadata.
 _HANDLES: dict[tuple[str, str], tuple[tuple[int, int, int], "zarr.Array"]] = {}
 _MAX_HANDLES = 256  # a few steps' arrays; older steps are not read again
+# Parsed metadata by the bytes of its zarr.json. zarr.open_array reads and parses the document
+# through Zarr's event loop (~1 ms an array; a step's tasks open ~25 of them); every step's array of
+# a name has the same document, so it is parsed once and each new step's handle is built from it.
+_METADATA: dict[bytes, tuple[object, object]] = {}  # document -> (ArrayV3Metadata, ArrayConfig)
+_MAX_METADATA = 64
 
 
 def _open_array(path: str, mode: str) -> "zarr.Array":
@@ -47,7 +54,16 @@ def _open_array(path: str, mode: str) -> "zarr.Array":
     held = _HANDLES.get((path, mode))
     if held is not None and held[0] == stamp:
         return held[1]
-    arr = zarr.open_array(path, mode=mode)
+    document = Path(path, "zarr.json").read_bytes()
+    parsed = _METADATA.get(document)
+    if parsed is None:
+        arr = zarr.open_array(path, mode=mode)
+        if len(_METADATA) >= _MAX_METADATA:
+            _METADATA.clear()
+        _METADATA[document] = (arr.metadata, arr.async_array.config)
+    else:  # what open_array builds from this document: the array's own LocalStore, its metadata and config
+        store = LocalStore(path, read_only=mode == "r")
+        arr = zarr.Array(AsyncArray(metadata=parsed[0], store_path=StorePath(store), config=parsed[1]))
     if len(_HANDLES) >= _MAX_HANDLES:
         _HANDLES.clear()
     _HANDLES[(path, mode)] = (stamp, arr)
@@ -94,6 +110,12 @@ class StepLayout:
     prompt_width: int
     max_new_tokens: int
     groups_per_chunk: int = 4
+
+    @classmethod
+    def from_attrs(cls, attrs: dict) -> "StepLayout":
+        """The layout a step group's attributes record (RolloutStore.create_step)."""
+        return cls(attrs["num_prompts"], attrs["group_size"], attrs["prompt_width"], attrs["max_new_tokens"],
+                   attrs["chunk_samples"] // attrs["group_size"])
 
     @property
     def num_samples(self) -> int:
@@ -152,15 +174,19 @@ class RolloutStore:
         return (Path(self.root) / f"step_{step}" / "zarr.json").exists()
 
     def attrs(self, step: int) -> dict:
+        """The step group's attributes, read from its zarr.json (Zarr v3 group metadata: a JSON
+        document whose "attributes" they are) without Zarr's event loop: ~0.05 ms against ~1.3 ms
+        for open_group, and every task of a step reads them."""
         try:
-            return dict(zarr.open_group(self.ref(step).path, mode="r").attrs)
+            document = json.loads(Path(self.ref(step).path, "zarr.json").read_bytes())
+            if document.get("zarr_format") != 3 or document.get("node_type") != "group":
+                raise ValueError("not a Zarr v3 group")
+            return dict(document.get("attributes", {}))
         except Exception as exc:
             raise RolloutStoreError(f"cannot read the attributes of {self.ref(step)}: {exc}") from exc
 
     def layout(self, step: int) -> StepLayout:
-        a = self.attrs(step)
-        return StepLayout(a["num_prompts"], a["group_size"], a["prompt_width"], a["max_new_tokens"],
-                          a["chunk_samples"] // a["group_size"])
+        return StepLayout.from_attrs(self.attrs(step))
 
     @contextlib.contextmanager
     def _locked(self, step: int) -> Iterator[None]:
@@ -179,10 +205,28 @@ class RolloutStore:
         if not self.has_step(step):
             raise RolloutStoreError(f"cannot mark {', '.join(stages)} complete: {self.ref(step)} does not exist")
         with self._locked(step):
-            group = zarr.open_group(self.ref(step).path, mode="r+")
-            done = list(group.attrs.get("complete", []))
+            done = list(self.attrs(step).get("complete", []))
             done += [s for s in stages if s not in done]
-            group.attrs.update({"complete": done, **extra_attrs})
+            self._update_attrs(step, {"complete": done, **extra_attrs})
+
+    def _update_attrs(self, step: int, update: dict) -> None:
+        """Merge ``update`` into the step group's attributes, as Zarr's ``attrs.update`` writes them
+        (the zarr.json document, json.dumps with allow_nan, written to a temporary file and renamed
+        over it, so a reader sees the old document or the new one), without its event loop: ~0.2 ms
+        against ~3 ms. Call with the step's lock held."""
+        path = Path(self.ref(step).path, "zarr.json")
+        try:
+            document = json.loads(path.read_bytes())
+            document["attributes"] = {**document.get("attributes", {}), **update}
+            text = json.dumps(document, indent=zarr.config.get("json_indent"), allow_nan=True)
+            partial = path.with_suffix(f".{os.getpid()}.partial")
+            try:
+                partial.write_text(text)
+                partial.replace(path)
+            finally:
+                partial.unlink(missing_ok=True)
+        except Exception as exc:
+            raise RolloutStoreError(f"cannot write the attributes of {self.ref(step)}: {exc}") from exc
 
     def completed(self, step: int) -> set[str]:
         if not self.has_step(step):
@@ -262,6 +306,14 @@ class RolloutStore:
             target[...] = np.asarray(values.compute(scheduler="synchronous")).astype(target.dtype, copy=False)
         except Exception as exc:
             raise RolloutStoreError(f"cannot write {name} of {self.ref(step)}: {exc}") from exc
+
+    def array_specs(self, step: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """``{name: (dtype, shape)}`` of the step's arrays, as stored (sample axis first)."""
+        try:
+            arrays = {name: _open_array(self.array_path(step, name), "r") for name in ARRAYS}
+            return {name: (str(a.dtype), tuple(a.shape)) for name, a in arrays.items()}
+        except Exception as exc:
+            raise RolloutStoreError(f"cannot read the array metadata of {self.ref(step)}: {exc}") from exc
 
     def array_path(self, step: int, name: str) -> str:
         return f"{self.ref(step).path}/{name}"

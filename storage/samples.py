@@ -5,9 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-import zarr
-
-from storage.rollouts import ARRAYS, RolloutStore, RolloutStoreError
+from storage.rollouts import RolloutStore
 
 __all__ = ["SAMPLE_COLUMNS", "step_array_specs", "load_sample_table"]
 
@@ -16,12 +14,7 @@ SAMPLE_COLUMNS = ("id", "prompt", "completion", "reward", "advantage", "policy_v
 
 def step_array_specs(rollouts_root: str | Path, step: int) -> dict[str, tuple[str, tuple[int, ...]]]:
     """``{name: (dtype, shape)}`` of the step's arrays, as stored (sample axis first)."""
-    ref = RolloutStore(rollouts_root).ref(step)
-    try:
-        group = zarr.open_group(ref.path, mode="r")
-        return {name: (str(group[name].dtype), tuple(group[name].shape)) for name in ARRAYS}
-    except Exception as exc:
-        raise RolloutStoreError(f"cannot read the array metadata of {ref}: {exc}") from exc
+    return RolloutStore(rollouts_root).array_specs(step)
 
 
 def load_sample_table(rollouts_root: str | Path, step: int, decode: Callable[[list[int]], str],

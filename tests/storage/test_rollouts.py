@@ -290,3 +290,53 @@ def test_preflight_passes_over_groups_cut_short(tmp_path):
     (tmp_path / cfg.run_name / "rollouts.zarr" / "step_1").mkdir()  # killed before its metadata was written
     _check_steps(cfg, folder)
     assert store.completed(1) == set()
+
+
+def test_a_handle_built_from_a_parsed_document_is_the_one_zarr_opens(tmp_path):
+    """A new step's arrays are opened from the metadata parsed for an earlier step's (the same
+    zarr.json bytes), not through zarr.open_array: same metadata, config, store and mode."""
+    from storage import rollouts
+
+    layout = make_layout()
+    store = make_store(tmp_path, step=0, layout=layout)
+    store.create_step(1, layout, policy_version=2, config_hash="cfg-abc")
+    store.read(0, *ARRAYS)  # parses every document
+    opened = []
+    real_open = zarr.open_array
+    try:
+        rollouts.zarr.open_array = lambda *a, **k: opened.append(a) or real_open(*a, **k)
+        values = {name: make_values(name, layout, seed=3) for name in ARRAYS}
+        store.write_rows(1, values)
+        got = store.read(1, *ARRAYS)
+    finally:
+        rollouts.zarr.open_array = real_open
+    assert opened == []  # step 1's handles were built from step 0's parsed metadata
+    for name in ARRAYS:
+        assert np.array_equal(got[name], values[name]), name
+        fast = rollouts._open_array(store.array_path(1, name), "r")
+        slow = zarr.open_array(store.array_path(1, name), mode="r")
+        assert fast.metadata == slow.metadata and fast.async_array.config == slow.async_array.config, name
+        assert fast.store_path.store.root == slow.store_path.store.root and fast.store_path.store.read_only
+        assert not rollouts._open_array(store.array_path(1, name), "r+").store_path.store.read_only
+        assert np.array_equal(slow[...], values[name]), name  # Zarr reads what the fast handles wrote
+
+
+def test_attributes_written_without_zarr_are_zarrs_document(tmp_path):
+    """mark_complete writes the group's zarr.json itself: Zarr reads back the same attributes
+    (NaN included, as its own encoder writes it) and the rest of the document is unchanged."""
+    store = make_store(tmp_path)
+    path = tmp_path / "rollouts.zarr" / "step_0" / "zarr.json"
+    before = zarr.open_group(str(path.parent), mode="r").metadata
+    store.mark_complete(0, ("rollout", "reward"), results_reward=[{"reward_mean": float("nan"), "n": 3}], note="x")
+    group = zarr.open_group(str(path.parent), mode="r")
+    attrs = dict(group.attrs)
+    assert attrs["complete"] == ["rollout", "reward"] and attrs["note"] == "x" and attrs["policy_version"] == 2
+    assert np.isnan(attrs["results_reward"][0]["reward_mean"]) and attrs["results_reward"][0]["n"] == 3
+    ours = store.attrs(0)
+    assert ours.keys() == attrs.keys() and np.isnan(ours["results_reward"][0]["reward_mean"])
+    assert {k: v for k, v in ours.items() if k != "results_reward"} == {k: v for k, v in attrs.items()
+                                                                        if k != "results_reward"}
+    assert group.metadata.zarr_format == before.zarr_format and group.metadata.node_type == before.node_type
+    zarr.open_group(str(path.parent), mode="r+").attrs.update({"by_zarr": 1})  # and Zarr's own writes still merge
+    assert store.attrs(0)["by_zarr"] == 1 and store.attrs(0)["note"] == "x"
+    assert not list(path.parent.glob("*.partial"))

@@ -24,7 +24,7 @@ trained samples and their tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
@@ -93,6 +93,21 @@ class GlobalBatch:
         cols = np.where(valid, self.sample_col[:, None] + j[None, :], 0)
         return np.where(valid, values[self.sample_row[:, None], cols], 0.0).astype(np.float32)
 
+    def with_completion_values(self, field: str, values: np.ndarray) -> "GlobalBatch":
+        """This batch with target channel ``field`` holding per-sample completion values [N, Gw]
+        (store order, e.g. reference log-probs) at the positions predicting each completion token:
+        the inverse of :meth:`completion_values`. The values go in as they are, so the target is the
+        one :func:`build_global_batch` gives for arrays holding them, bit for bit."""
+        values = np.asarray(values, dtype=np.float32)
+        if values.shape != (self.num_samples, self.max_new_tokens):
+            raise ValueError(f"{field}: values of shape {values.shape} for {self.num_samples} samples of "
+                             f"{self.max_new_tokens} completion tokens")
+        i, j = _ragged(self.length.astype(np.int64))
+        target = self.target.clone()
+        target[torch.from_numpy(self.sample_row[i]), torch.from_numpy(self.sample_col[i] + j),
+               TARGET_FIELDS.index(field)] = torch.from_numpy(values[i, j])
+        return replace(self, target=target)
+
 
 def aggregation_weights(length: np.ndarray, max_new_tokens: int, mode: str,
                         trained: Optional[np.ndarray] = None) -> np.ndarray:
@@ -137,6 +152,12 @@ class BucketedBatch:
         for p, v in zip(self.passes, values, strict=True):
             out[p.samples] = p.completion_values(v)
         return out
+
+    def with_completion_values(self, field: str, values: np.ndarray) -> "BucketedBatch":
+        """Every pass with its samples' rows of ``values`` [N, Gw] in target channel ``field``
+        (:meth:`GlobalBatch.with_completion_values`)."""
+        values = np.asarray(values, dtype=np.float32)
+        return replace(self, passes=tuple(p.with_completion_values(field, values[p.samples]) for p in self.passes))
 
 
 def build_global_batch(arrays: dict[str, np.ndarray], mode: str, pad_id: int,

@@ -61,6 +61,7 @@ __all__ = ["TrainSetup", "StepResult", "TrainRank", "rank_tensor_names", "train_
 
 _CPU = torch.device("cpu")
 _AUTOCAST = {"float32": None, "bfloat16": torch.bfloat16}  # train.dtype -> the autocast dtype of the forwards
+_LOGP_TO = ("output", "loss")  # the ranks a forward-only pass's log-probs go to (TrainRank.batch_logp)
 
 
 def train_placement(device: str, dtype: str, rank: int, world_size: int
@@ -457,25 +458,44 @@ class TrainRank:
         out = self._forward_logp("proximal_logp", [(None, input_ids, next_ids, stage_kwargs or {})])
         return None if out is None else out[0]
 
-    def batch_logp(self, batch, what: str = "reference_logp") -> Optional[np.ndarray]:
+    def batch_logp(self, batch, what: str = "reference_logp", to: str = "output") -> Optional[np.ndarray]:
         """Per completion token log-probs [N, max_new_tokens] in store order of a step's batch (every
         pass of a bucketed one) under the reference (``reference_logp``) or the current weights
-        (``proximal_logp``), on :attr:`is_output_rank`; None elsewhere."""
+        (``proximal_logp``). ``to``: "output", on :attr:`is_output_rank` only; "loss", on every rank
+        holding the last stage (the ranks computing the loss). None elsewhere."""
         if what not in ("reference_logp", "proximal_logp"):
             raise ValueError(f"what={what!r} must be reference_logp or proximal_logp")
+        if to not in _LOGP_TO:
+            raise ValueError(f"to={to!r} must be one of {', '.join(_LOGP_TO)}")
         passes = getattr(batch, "passes", (batch,))
         outs = self._forward_logp(what, [(getattr(p, "num_microbatches", None), p.input_ids,
-                                          p.target[..., 0].long(), p.stage_kwargs()) for p in passes])
+                                          p.target[..., 0].long(), p.stage_kwargs()) for p in passes], to)
         if outs is None:
             return None
         return batch.completion_values(outs if isinstance(batch, BucketedBatch) else outs[0])
 
+    def train_step_with_reference(self, batch) -> tuple[StepResult, Optional[np.ndarray]]:
+        """The frozen reference's forward-only pass over the step's own batch, its log-probs put in
+        the target's ref_logp channel on the ranks computing the loss, then :meth:`train_step`: the
+        step a separate reference pass, its log-probs stored and the batch rebuilt from the store
+        would give, bit for bit (the same values in the same channel), in one call. Returns the step
+        (its metrics with ``reference_seconds``, the pass's wall time on this rank) and, on
+        :attr:`is_output_rank`, the log-probs [N, max_new_tokens] in store order to store."""
+        t0 = time.perf_counter()
+        logp = self.batch_logp(batch, "reference_logp", to="loss")
+        reference_s = time.perf_counter() - t0
+        if logp is not None:
+            batch = batch.with_completion_values("ref_logp", logp)
+        step = self.train_step(batch)
+        step.metrics["reference_seconds"] = reference_s
+        return step, logp if self.is_output_rank else None
+
     @torch.no_grad()
-    def _forward_logp(self, what: str, passes: list) -> Optional[list[torch.Tensor]]:
+    def _forward_logp(self, what: str, passes: list, to: str = "output") -> Optional[list[torch.Tensor]]:
         """Forward-only passes (global microbatches or None, input_ids, next_ids, stage kwargs) in
-        order; their outputs on :attr:`is_output_rank`, None elsewhere."""
+        order; their outputs on the ranks ``to`` names (:meth:`batch_logp`), None elsewhere."""
         if what == "reference_logp" and self.reference_whole is not None:
-            return self._shared_logp(what, passes)
+            return self._shared_logp(what, passes, to)
         call, guarded = self._begin(what)
         with guarded:
             inputs = [(mb, {"input_ids": ids, "next_ids": nxt.long(), **kw}) for mb, ids, nxt, kw in passes]
@@ -502,14 +522,15 @@ class TrainRank:
                     dist.all_gather(parts, out.contiguous(), group=self.groups.dp)
                     gathered.append(torch.cat(parts))
                 outs = gathered
-            return [o.cpu() for o in outs] if self.is_output_rank else None
+            return [o.cpu() for o in outs] if self.is_output_rank or to == "loss" else None
 
-    def _shared_logp(self, what: str, passes: list) -> Optional[list[torch.Tensor]]:
+    def _shared_logp(self, what: str, passes: list, to: str = "output") -> Optional[list[torch.Tensor]]:
         """reference_parallel=data: every rank runs the whole reference over its share of the
         microbatches (the k-th microbatch of the call, over all passes, goes to rank k mod world),
-        then one SUM of the zero-filled outputs onto the output rank. Each value comes from one
-        rank and x + 0 = x, so the sum is exact; a microbatch holds the rows the pipeline's
-        microbatch holds, so each row is computed as there."""
+        then one SUM of the zero-filled outputs onto the output rank (``to`` = "loss": onto every
+        rank, kept where the last stage is). Each value comes from one rank and x + 0 = x, so the
+        sum is exact; a microbatch holds the rows the pipeline's microbatch holds, so each row is
+        computed as there."""
         call, guarded = self._begin(what)
         with guarded:
             world, D = self.layout.world_size, self.layout.dp
@@ -534,11 +555,14 @@ class TrainRank:
                 k += m
                 outs.append(out)
             flat = torch.cat([o.reshape(-1) for o in outs])
-            dist.reduce(flat, dst=self.output_rank, op=dist.ReduceOp.SUM)
+            if to == "output":
+                dist.reduce(flat, dst=self.output_rank, op=dist.ReduceOp.SUM)
+            else:
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM)
             t1 = self._now_ns()
             self.last_forward = StepResult(self.rank, {"bubble_fraction": 1 - busy_ns / max(t1 - t0, 1),
                                                        "step_seconds": (t1 - t0) / 1e9}, [], (t0, t1))
-            if not self.is_output_rank:
+            if not (self.is_output_rank or (to == "loss" and self.holds_last)):
                 return None
             return [piece.reshape(o.shape).cpu() for piece, o in zip(torch.split(flat, [o.numel() for o in outs]), outs)]
 

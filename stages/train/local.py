@@ -22,9 +22,10 @@ from stages.train.rendezvous import free_port
 
 __all__ = ["Call", "RankOutput", "run_local_pipeline"]
 
-Call = Literal["train", "grad", "reference", "proximal"]
+Call = Literal["train", "grad", "reference", "proximal", "train_with_reference"]
 """train: train_step; grad: forward_backward (no optimiser step); reference / proximal: the
-forward-only log-prob passes."""
+forward-only log-prob passes; train_with_reference: train_step_with_reference (its log-probs in
+``logps``, store order)."""
 
 _START_S = 60.0  # process start-up and rendezvous, on top of the per-call timeouts
 
@@ -35,13 +36,16 @@ class RankOutput:
     steps: list[Optional[StepResult]]  # per call; forward-only passes give engine.last_forward
     grads: list[dict[str, torch.Tensor]]  # per call, HF names (empty for forward-only / failed calls)
     logps: list[Optional[torch.Tensor]]  # per call: forward-only output on the output rank ([rows, T];
-    # a BucketedBatch's: [N, max_new_tokens] in store order)
+    # a BucketedBatch's and train_with_reference's: [N, max_new_tokens] in store order)
     errors: list[Optional[str]]  # per call: the error it raised, or None
     seconds: list[float]  # per call: wall time on this rank
     state: dict[str, torch.Tensor]  # HF-named weights after the last call (empty if the rank was aborted)
 
 
 def _one_call(engine: TrainRank, call: Call, batch):
+    if call == "train_with_reference":
+        step, values = engine.train_step_with_reference(batch)
+        return step, engine.hf_grads(), None if values is None else torch.from_numpy(values)
     if call in ("train", "grad"):
         step = engine.train_step(batch) if call == "train" else engine.forward_backward(batch)
         return step, engine.hf_grads(), None

@@ -378,7 +378,10 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
         future = prepared.pop(step, None)
         return future is not None and not future.cancel() and future.result()
 
+    plotted_at = -float("inf")  # time.monotonic() of the last redraw of the plots
+
     def finish_oldest() -> None:
+        nonlocal plotted_at
         pending = in_flight.popleft()
         step = pending.step
         bar = tqdm(total=len(pending.names), desc=f"step {step}", leave=False, disable=not progress, unit="stage")
@@ -406,7 +409,10 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
         result.metrics["staleness_mean"], result.metrics["staleness_max"] = float(lag.mean()), float(lag.max())
         published[result.policy.version] = result.policy
         results.append(result)
-        plot = len(results) % cfg.mlflow.plot_every_steps == 0 or step == cfg.iterations - 1
+        due = len(results) % cfg.mlflow.plot_every_steps == 0
+        plot = (due and time.monotonic() >= plotted_at + cfg.mlflow.plot_min_interval_s) or step == cfg.iterations - 1
+        if plot:
+            plotted_at = time.monotonic()
         queue.submit(log_step, handle, result, [{"step": r.step, **r.metrics} for r in results] if plot else None)
         outer.update(1)
         outer.set_postfix(reward=f"{result.metrics.get('reward_mean', float('nan')):.3f}")

@@ -116,11 +116,15 @@ class MlflowConfig:
     plot_every_steps: int = 10
     """Redraw the parent run's reward, stage-seconds and bubble plots every this many steps (and at
     the end), and print one decoded sample in the terminal as often."""
+    plot_min_interval_s: float = 30.0
+    """Skip a redraw due less than this many seconds after the last one (the three plots cost ~0.3
+    CPU-seconds, which short steps would pay every few seconds); the end of the run always redraws."""
     sample_groups: int = 2
     """Groups of decoded samples (prompt, completion, reward, advantage) in each step's table; 0: none."""
 
     def __post_init__(self) -> None:
         _require(self.plot_every_steps >= 1, "mlflow.plot_every_steps must be >= 1")
+        _require(self.plot_min_interval_s >= 0, "mlflow.plot_min_interval_s must be >= 0")
         _require(self.sample_groups >= 0, "mlflow.sample_groups must be >= 0")
 
 

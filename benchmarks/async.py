@@ -50,7 +50,7 @@ def _config(runs_dir: str, name: str, placement: str, s: int, threads: int, args
         f"rollout.max_staleness={s}", f"cluster.placement={placement}", f"cluster.rollout_threads={threads}",
         f"cluster.train_threads={threads}", "train.pipeline_model_parallel_size=1",
         f"task.prompts_per_step={args.prompts}", f"rollout.max_new_tokens={args.max_new_tokens}",
-        f"train.micro_batch_size={args.prompts * 8 // 4}", "reward.num_tasks=1",
+        f"train.micro_batch_size={args.prompts * 8 // 4}", "reward.num_tasks=1", "rollout.num_engines=1",
         *(() if args.warmed else ("warmup.steps=0",)), *args.overrides])
 
 
@@ -92,11 +92,13 @@ def main() -> None:
                                 ("rollout", "reward", "reference", "advantage", "train", "publish")}})
     sync = next(r for r in rows if r["label"] == "decoupled s=0")
     st = sync["stages"]
-    critical = StageSeconds(**st)
+    # Where the config runs the scoring and the reference pass (the stages' seconds are their own).
+    graph = dict(reward_in_rollout=cfg.reward.in_rollout, reference_in_train=cfg.train.reference_pass == "fused")
+    critical = StageSeconds(**st, **graph)
     loop = max(0.0, sync["step_s"] - sync_step_seconds(critical))
     # pi_prox is the train forward's own log-prob unless a proximal pass is configured (P = 0 then).
     passes = effective_off_policy(cfg.train, 1).proximal == "pass"
-    overlap = StageSeconds(**st, loop=loop, proximal=None if passes else 0.0)
+    overlap = StageSeconds(**st, **graph, loop=loop, proximal=None if passes else 0.0)
     # The host's terms, from the same sync run: hand-off hops on the training chain, CPU per step.
     cores = len(os.sched_getaffinity(0))
     calibrated = dataclasses.replace(overlap, handoff=sync["handoff_s"], host_cpu=sync["host_cpu_s"], cores=cores)

@@ -5,9 +5,9 @@ worker process under the same name): a killer thread waits until the chosen stag
 step has started (its inputs are marked complete in the rollout store), sleeps a random fraction of
 that stage's median duration in the fault-free run and kills the chosen worker's process by pid
 (``client.run(os.getpid)``, keyed by worker name). The target is rollout-0, plain-0, a random
-training rank, or ``reward``: the last worker seen holding one of the step's reward (``score-``)
-tasks when the kill lands, running it or holding its result (reward tasks of a synchronous run may
-go to any worker). Then it checks the run folder:
+training rank, or ``reward``: the last worker seen holding one of the step's reward (``score-``, or
+``rollout-`` with reward.in_rollout) tasks when the kill lands, running it or holding its result
+(reward tasks of a synchronous run may go to any worker). Then it checks the run folder:
 
 - finished: the run returned (no hang: every wait is bounded by its configured timeout);
 - groups: every step's ``group_id`` holds each expected group exactly once (G contiguous rows) and
@@ -74,9 +74,11 @@ class Trial:
 
 
 def base_config(runs_dir: str, iterations: int) -> GRPOConfig:
-    """A short run: 8 prompts x G 8, two pipeline ranks; bounded waits so a failure cannot hang."""
+    """A short run: 8 prompts x G 8, two pipeline ranks, one rollout engine of its own (a worker of
+    each kind to kill); bounded waits so a failure cannot hang."""
     return load_config("configs/tiny.yaml", [
         f"iterations={iterations}", f"runs_dir={runs_dir}", "warmup.steps=30", "task.prompts_per_step=8",
+        "cluster.placement=decoupled", "rollout.num_engines=1",
         "train.micro_batch_size=16", "train.timeout_s=10", "cluster.iteration_timeout_s=120",
         "cluster.worker_wait_s=180"])  # a restarted worker imports torch again: slow on a loaded host
 
@@ -126,10 +128,11 @@ def _running(store, cfg: GRPOConfig, first_step: int) -> str:
     return "after the last step"
 
 
-def _scoring_worker(client, step: int, until: float, stop: threading.Event) -> str | None:
+def _scoring_worker(client, cfg: GRPOConfig, step: int, until: float, stop: threading.Event) -> str | None:
     """The last worker seen holding one of the step's reward tasks by ``until`` (time.monotonic):
-    one running it then, or else the one that ran it and holds its result; None if none was seen."""
-    prefix, seen = f"score-{step}-", None
+    one running it then, or else the one that ran it and holds its result; None if none was seen.
+    With reward.in_rollout the rollout tasks score: they are the reward tasks."""
+    prefix, seen = f"{'rollout' if cfg.reward.in_rollout else 'score'}-{step}-", None
     while not stop.is_set():
         holding = [a for a, keys in client.processing().items() if any(str(k).startswith(prefix) for k in keys)]
         seen = holding[0] if holding else seen
@@ -167,7 +170,7 @@ def _kill_when_started(client, cfg: GRPOConfig, trial: Trial, stop: threading.Ev
     else:
         return
     if trial.target == "reward":
-        address = _scoring_worker(client, trial.step, time.monotonic() + trial.delay_s, stop)
+        address = _scoring_worker(client, cfg, trial.step, time.monotonic() + trial.delay_s, stop)
         if address is None:
             trial.killed_during = "not killed (no reward task seen)"
             return
@@ -224,8 +227,8 @@ def plan(rng: random.Random, index: int, cfg: GRPOConfig, stage_seconds: dict[st
     target = {"rollout": "rollout-0", "reward": "reward", "plain": "plain-0",
               "train": f"train-{rng.randrange(cfg.train.world_size)}"}[kind]
     step, stage = rng.randrange(cfg.iterations), rng.choice(STAGES)
-    if kind == "reward":  # a reward task runs only during the reward stage
-        stage = "reward"
+    if kind == "reward":  # a reward task runs only during the reward stage (the rollout's, scored in it)
+        stage = "rollout" if cfg.reward.in_rollout else "reward"
     return Trial(index, target, step, stage, round(rng.uniform(0, statistics.median(stage_seconds[stage])), 3))
 
 

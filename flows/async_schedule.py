@@ -77,12 +77,16 @@ class StepEvents:
     finish (steps finish, and are logged, in order)."""
 
 
-def simulate(durations: list[StepDurations], max_staleness: int, colocated: bool = False) -> list[StepEvents]:
+def simulate(durations: list[StepDurations], max_staleness: int, colocated: bool = False,
+             reward_in_rollout: bool = False, reference_in_train: bool = False) -> list[StepEvents]:
     """Replay the loop's rules over ``durations`` (one entry per step, from step 0).
 
     One rollout engine and one training pipeline, each running one task at a time; reward and
     advantage run on their own workers. colocated: the engine is a training worker, so rollout and
-    the training-rank tasks share one queue. The proximal stage runs only when s >= 1."""
+    the training-rank tasks share one queue. The proximal stage runs only when s >= 1.
+    reward_in_rollout (reward.in_rollout): the engine's task scores its rows, reward and advantage
+    after its generation; reference_in_train (train.reference_pass = fused): the train task runs
+    the reference pass, once the advantages are in, before its step."""
     s = max_staleness
     events: list[StepEvents] = []
     rollout_free = train_free = 0.0
@@ -99,15 +103,23 @@ def simulate(durations: list[StepDurations], max_staleness: int, colocated: bool
 
         # Rollouts of later steps queue behind earlier ones on the engine (Dask priority by submission).
         r_end = run("rollout", max(submitted, published[v], rollout_free), d.rollout)
+        reward_end = run("reward", r_end, d.reward)
+        adv_end = run("advantage", reward_end, d.advantage)
+        if reward_in_rollout:  # the engine's own task: the rows are out once they are scored
+            r_end = adv_end
         rollout_free = r_end
         if colocated:
             train_free = max(train_free, r_end)
-        reward_end = run("reward", r_end, d.reward)
-        adv_end = run("advantage", reward_end, d.advantage)
         prev_train = events[k - 1].spans["train"][1] if k else 0.0
-        ref_end = run("reference", max(r_end, prev_train, train_free), d.reference)
-        prox_end = run("proximal", ref_end, d.proximal if s >= 1 else 0.0)
-        t_end = run("train", max(prox_end, adv_end), d.train)
+        proximal = d.proximal if s >= 1 else 0.0
+        if reference_in_train:
+            prox_end = run("proximal", max(r_end, prev_train, train_free), proximal)
+            ref_end = run("reference", max(prox_end, adv_end), d.reference)
+            t_end = run("train", ref_end, d.train)
+        else:
+            ref_end = run("reference", max(r_end, prev_train, train_free), d.reference)
+            prox_end = run("proximal", ref_end, proximal)
+            t_end = run("train", max(prox_end, adv_end), d.train)
         train_free = t_end
         if colocated:
             rollout_free = max(rollout_free, t_end)

@@ -113,6 +113,10 @@ class StageFutures:
     marked_by_next: bool = False
     """The gate is the next stage's task (publish marks train before it publishes): the stage
     ends when its work does."""
+    inside: str = ""
+    """The stage whose tasks run this one (train.reference_pass = fused: the reference inside
+    train; reward.in_rollout: the scoring inside rollout): ``work`` is those tasks, whose results
+    carry this stage's ``<stage>_seconds``; empty: the stage has tasks of its own."""
 
     @property
     def deps(self) -> tuple[Future, ...]:
@@ -150,11 +154,11 @@ _CHUNK_SAMPLES = 2048  # the most samples in one Zarr chunk of a step's per-samp
 
 def step_layout(cfg: GRPOConfig) -> StepLayout:
     """A step's Zarr layout. A chunk holds whole groups, as many as one writer's share of the step
-    (the engines write the rollout, the scoring tasks the rewards, each its own chunk-aligned range)
-    up to ~2048 samples: every chunk is a file to open and a task in the advantage graph, so a step
-    has as few as its writers allow."""
+    (the engines write the rollout, the scoring tasks the rewards, or the engines both with
+    reward.in_rollout: each writer its own chunk-aligned range) up to ~2048 samples: every chunk is
+    a file to open and a task in the advantage graph, so a step has as few as its writers allow."""
     G, prompts = cfg.rollout.group_size, cfg.task.prompts_per_step
-    writers = max(cfg.rollout.num_engines, cfg.reward.num_tasks)
+    writers = max(cfg.rollout.num_engines, 1 if cfg.reward.in_rollout else cfg.reward.num_tasks)
     groups_per_chunk = max(1, min(-(-prompts // writers), _CHUNK_SAMPLES // G))
     return StepLayout(prompts, G, cfg.prompt_width, cfg.rollout.max_new_tokens, groups_per_chunk)
 
@@ -181,9 +185,9 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
     world = len(pools.train)  # training ranks: one reference and one train task each
     train_pin = [dict(workers=[pools.train_addresses[r]], resources={"train": 1}, pure=False) for r in range(world)]
     new_version = ref.step + 1  # the trainer holds version ref.step (flows/async_schedule.py)
-    # With steps in flight, short tasks go to plain workers so they never queue behind a train or
-    # rollout task of another step; synchronous, any free worker takes them.
-    io = dict(workers=list(pools.plain)) if pools.plain and cfg.rollout.max_staleness >= 1 else {}
+    # Short tasks go to the plain workers (any worker if none is left): Dask would otherwise put them
+    # beside their inputs' results, behind a rank's next pass or another step's rollout.
+    io = dict(workers=list(pools.plain), allow_other_workers=True) if pools.plain else {}
     io["retries"] = _STATELESS_RETRIES  # stateless: rerun elsewhere if their worker dies
     stages: dict[str, StageFutures] = {}
 
@@ -222,17 +226,32 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
         stages[stage] = StageFutures(stage)
         return ()
 
+    # reward.in_rollout: each engine scores the groups it generates (a range of whole groups).
+    scored_in_rollout = cfg.reward.in_rollout and not {"rollout", "reward"} & done
     if "rollout" in done:
         rollout = skip("rollout")
     else:
         # Any engine may take any range (rows are seeded by step and prompt): no address pin, so an
-        # engine restarted at a new address picks up the range its predecessor lost.
-        rollout = add("rollout", [
-            (tasks.rollout_task, (cfg, ref, policy_arg, lo, hi, pools.rollout[i % len(pools.rollout)]),
-             dict(key=f"rollout-{ref.step}-{i}-{tok}", resources={"rollout": 1}, pure=False))
-            for i, (lo, hi) in enumerate(_ranges(layout.num_prompts, gpc, len(pools.rollout)))])
+        # engine restarted at a new address picks up the range its predecessor lost. (Dask spreads the
+        # ranges over the engines as none of them holds the publish task's result, a plain worker's.)
+        calls = [(tasks.rollout_task, (cfg, ref, policy_arg, lo, hi, engine, scored_in_rollout),
+                  dict(key=f"rollout-{ref.step}-{i}-{tok}", resources={"rollout": 1}, pure=False))
+                 for i, (lo, hi) in enumerate(_ranges(layout.num_prompts, gpc, len(pools.rollout)))
+                 for engine in [pools.rollout[i % len(pools.rollout)]]]
+        if scored_in_rollout:  # one gate marks rollout, reward and advantage with the step's statistics
+            work = tuple(client.submit(fn, *args, **kw) for fn, args, kw in calls)
+            gate = client.submit(tasks.mark_scored, cfg, ref, *work, rollout=True,
+                                 key=f"rollout-scored-{ref.step}-{tok}", **io)
+            stages["rollout"] = StageFutures("rollout", work, gate)
+            stages["reward"] = StageFutures("reward", work, inside="rollout")
+            stages["advantage"] = StageFutures("advantage", (gate,), gate)  # the step's reward statistics
+            rollout = advantage = (gate,)
+        else:
+            rollout = add("rollout", calls)
 
-    if "reward" not in done:  # each scoring task writes rewards and advantages of whole groups
+    if scored_in_rollout:
+        pass  # the rollout tasks score, their gate marks the scores (above)
+    elif "reward" not in done:  # each scoring task writes rewards and advantages of whole groups
         scoring = [(tasks.score_task, (cfg, ref, policy.path, lo * G, hi * G, layout.chunk_samples, *rollout),
                     dict(key=f"score-{ref.step}-{i}-{tok}", **io))
                    for i, (lo, hi) in enumerate(_ranges(layout.num_prompts, gpc, cfg.reward.num_tasks))]
@@ -254,8 +273,12 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
             advantage = add("advantage", [(tasks.advantage_task, (cfg, ref),
                                            dict(key=f"advantage-{ref.step}-{tok}", **io))])
 
+    # train.reference_pass = fused: the train tasks run the reference pass (tasks.train_task).
+    fused = cfg.train.reference_pass == "fused" and "reference" not in done and "train" not in done
     if "reference" in done:
         reference = skip("reference")
+    elif fused:
+        reference = ()
     else:
         reference = add_ranked("reference", [(tasks.reference_task, (cfg, ref, *rollout, *prev_train),
                                               dict(key=f"reference-{ref.step}-{r}-{tok}", **train_pin[r]))
@@ -274,10 +297,12 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
     if "train" in done:  # every rank's shard of the new version is on disk already
         trains: tuple[Future, ...] = ()
     else:
-        trains = tuple(client.submit(tasks.train_task, cfg, ref, folder, new_version, *advantage, *reference, *proximal,
-                                     *own(r, "reference", "proximal"), *prev_train,
+        trains = tuple(client.submit(tasks.train_task, cfg, ref, folder, new_version, fused, *rollout, *advantage,
+                                     *reference, *proximal, *own(r, "reference", "proximal"), *prev_train,
                                      key=f"train-{ref.step}-{r}-{tok}", **train_pin[r])
                        for r in range(world))
+        if fused:
+            stages["reference"] = StageFutures("reference", trains, inside="train")
     # Publish always runs: it is idempotent, and a step whose publish is complete is not rerun. It
     # marks train complete first (with the ranks' results), so no gate task stands between them.
     publish = client.submit(tasks.run_and_mark, tasks.publish_task, ref, "publish",
@@ -364,9 +389,10 @@ def finish_iteration(pending: PendingIteration, on_stage: Callable[[str], None] 
     step, stages, start = pending.step, pending.stages, pending.start
     if isinstance(pending.policy, PendingPolicy):  # submitted ahead: it starts once its version is out
         start = max(start, pending.policy.done_at.get(pending.policy.publish.key, start))
-    # A future may end several stages (a scoring task writes rewards and advantages), in stage order.
+    # A future may end several stages (a scoring task writes rewards and advantages), in stage order;
+    # a stage run inside another's tasks comes after it (a failure there names the host stage).
     stages_of: dict[str, list[str]] = {}
-    for s in stages.values():
+    for s in sorted(stages.values(), key=lambda s: bool(s.inside)):
         for f in s.futures:
             stages_of.setdefault(f.key, []).append(s.stage)
     work_keys = {s.stage: {f.key for f in s.work} for s in stages.values()}
@@ -423,15 +449,22 @@ def finish_iteration(pending: PendingIteration, on_stage: Callable[[str], None] 
                 if f.status == "pending":
                     f.cancel()
 
-    stage_seconds = {s: finished_at[s] - max((finished_at[d] for d in _AFTER[s] if d in finished_at), default=start)
+    inside = {s.stage: s.inside for s in stages.values() if s.inside}
+    # A stage waits for what the stages run inside others' tasks waited for, not for them.
+    after = {s: tuple(dict.fromkeys(x for d in deps for x in (_AFTER[d] if d in inside else (d,))))
+             for s, deps in _AFTER.items()}
+    stage_seconds = {s: finished_at[s] - max((finished_at[d] for d in after[s] if d in finished_at), default=start)
                      for s in pending.names}
+    for s, host in inside.items():  # its own seconds in the host's tasks (the slowest one's), out of the host's
+        stage_seconds[s] = max(r[f"{s}_seconds"] for r in results[host])
+        stage_seconds[host] -= stage_seconds[s]
     iteration_s = max(finished_at.values(), default=start) - start  # submission to the last stage's end
-    skipped = frozenset(s.stage for s in stages.values() if s.gate is None)
+    skipped = frozenset(s.stage for s in stages.values() if s.gate is None and not s.inside)
     if skipped:  # a resumed step: the skipped stages' measurements were stored with their marks
         attrs = RolloutStore(pending.ref.root).attrs(step)
         for s in skipped:
             results[s] = [{"events": [], **r} if s == "train" else r for r in attrs.get(f"results_{s}", [])]
-    result = _collect(step, results, stage_seconds, skipped)
+    result = _collect(step, results, stage_seconds, skipped, frozenset(inside))
     result.metrics["iteration_seconds"] = iteration_s
     return result
 
@@ -450,8 +483,9 @@ _LOSS_METRICS = ("loss", "kl", "clip_fraction", "clip_fraction_low", "clip_fract
 
 
 def _collect(step: int, values: dict[str, list], stage_seconds: dict[str, float],
-             skipped: frozenset[str]) -> IterationResult:
-    """Fold the tasks' own measurements into the step's metrics."""
+             skipped: frozenset[str], inside: frozenset[str] = frozenset()) -> IterationResult:
+    """Fold the tasks' own measurements into the step's metrics; ``inside``: the stages run inside
+    another stage's tasks (their values are those tasks' results)."""
     m: dict[str, float] = {}
     if values["rollout"]:
         roll = values["rollout"]
@@ -491,7 +525,7 @@ def _collect(step: int, values: dict[str, list], stage_seconds: dict[str, float]
             if "ts" in e:
                 e["ts"] -= origin
     forward: dict[int, float] = {}  # rank -> the end of its last forward-only task of the step
-    for r in (r for s in ("reference", "proximal") for r in values.get(s, [])):
+    for r in (r for s in ("reference", "proximal") if s not in inside for r in values.get(s, [])):
         rank = r.get("rank", -1)  # results stored before the rank was recorded match no train task
         forward[rank] = max(forward.get(rank, r["task_end"]), r["task_end"])
     waits = [t["task_start"] - forward[t["rank"]] for t in trains if t["rank"] in forward]
@@ -502,7 +536,7 @@ def _collect(step: int, values: dict[str, list], stage_seconds: dict[str, float]
     m.update(weight_sync.step_metrics(values))
     m.update({f"{s}_seconds": v for s, v in stage_seconds.items()})
     busy = [("rollout", r["task_start"], r["task_end"]) for r in values["rollout"]]
-    busy += [("train", r["task_start"], r["task_end"]) for s in ("reference", "proximal", "train")
+    busy += [("train", r["task_start"], r["task_end"]) for s in ("reference", "proximal", "train") if s not in inside
              for r in values.get(s, [])]
     return IterationResult(step, values["publish"][0], m, stage_seconds, events, skipped, busy)
 

@@ -15,6 +15,7 @@ from typing import Callable
 import dask.array as da
 import numpy as np
 import torch
+from distributed import get_worker
 
 from flows import weight_sync
 from flows.schema import GRPOConfig, config_hash
@@ -29,7 +30,7 @@ from stages.train.batch import build_global_batch
 from stages.train.engine import InjectedFault, TrainRank, rank_tensor_names
 from stages.train.timeline import chrome_events
 from storage.policies import PolicyRef, PolicyStore, load_model_folder
-from storage.rollouts import RolloutStore, StepRef
+from storage.rollouts import RolloutStore, StepLayout, StepRef
 from storage.run_folder import RunFolder
 
 __all__ = [
@@ -42,7 +43,7 @@ __all__ = [
 _TRAIN_RANKS: dict[str, TrainRank] = {}
 _ROLLOUT_MODELS: dict[str, tuple[str, torch.nn.Module, TextCodec]] = {}
 _ROLLOUT_VERSIONS: dict[str, int] = {}  # engine -> the policy version its model holds (the version tag)
-_CODECS: dict[tuple[str, bool], TextCodec] = {}
+_CODECS: dict[tuple[str, bool], TextCodec] = {}  # (run, chat template) -> codec
 _SOURCES: dict[str, PromptSource] = {}
 
 
@@ -100,7 +101,9 @@ def worker_ready() -> bool:
 
 
 def _codec(cfg: GRPOConfig, policy_path: str) -> TextCodec:
-    key = (policy_path, cfg.dataset.chat_template)
+    """The run's text codec, from the first policy folder asked for: every version of a run carries
+    the same tokenizer, so a codec per version would only load it again each step."""
+    key = (cfg.run_name, cfg.dataset.chat_template)
     if key not in _CODECS:
         _CODECS[key] = TextCodec.from_policy_folder(policy_path, cfg.dataset.chat_template)
     return _CODECS[key]
@@ -236,6 +239,16 @@ def _rollout_model(cfg: GRPOConfig, engine_key: str, policy: PolicyRef) -> tuple
                           "weights_content_hash": received.tag.content_hash}
 
 
+def _this_engine(default: str) -> str:
+    """The engine a rollout task runs on: its Dask worker's name, whichever engine the range was
+    handed to (any engine may take any range, and a process holds one model and one receiving end
+    of the weight channel); ``default`` outside a worker."""
+    try:
+        return str(get_worker().name)
+    except ValueError:  # not in a Dask worker: a direct call
+        return default
+
+
 def _check_engine_version(engine_key: str, asked: int) -> None:
     """Refuse to generate a step from any version but the one the step asks for (its group's
     policy_version, set by the rule of flows/async_schedule.py)."""
@@ -246,19 +259,29 @@ def _check_engine_version(engine_key: str, asked: int) -> None:
 
 
 def rollout_task(cfg: GRPOConfig, ref: StepRef, policy: PolicyRef, prompt_start: int, prompt_stop: int,
-                 engine_key: str) -> dict[str, float]:
-    """Generate G completions for prompts [prompt_start, prompt_stop) of the step; write their rows."""
+                 engine_key: str, score: bool = False) -> dict[str, float]:
+    """Generate G completions for prompts [prompt_start, prompt_stop) of the step; write their rows.
+    ``score`` (reward.in_rollout): score their groups too and write rewards and advantages with them."""
     t_start = time.time()
     _threads(cfg, "rollout")
+    engine_key = _this_engine(engine_key)
     store = RolloutStore(ref.root)
     model, codec, load = _rollout_model(cfg, engine_key, policy)
-    _check_engine_version(engine_key, store.attrs(ref.step)["policy_version"])
+    attrs = store.attrs(ref.step)
+    _check_engine_version(engine_key, attrs["policy_version"])
+    layout = StepLayout.from_attrs(attrs)
     records = _records(cfg, policy.path, ref.step, prompt_start, prompt_stop)
     rows = generate_rows(model, codec, [r.prompt_ids for r in records], cfg.rollout, seed=cfg.seed, step=ref.step,
                          prompt_start=prompt_start, prompts_per_step=cfg.task.prompts_per_step,
-                         prompt_width=store.layout(ref.step).prompt_width, policy_version=policy.version)
-    store.write_rows(ref.step, rows.arrays, start=rows.row_start)
-    return {**rows.metrics, **load, "task_start": t_start, "task_end": time.time()}
+                         prompt_width=layout.prompt_width, policy_version=policy.version)
+    arrays, scoring = rows.arrays, {}
+    if score:
+        t0 = time.perf_counter()
+        scores = _score(cfg, policy.path, rows.arrays, records, layout.chunk_samples)
+        arrays = {**arrays, **scores}
+        scoring = {"reward_seconds": time.perf_counter() - t0, "reward_failed": float(scores["reward_failed"].sum())}
+    store.write_rows(ref.step, arrays, start=rows.row_start)
+    return {**rows.metrics, **load, **scoring, "task_start": t_start, "task_end": time.time()}
 
 
 def mark_stage_complete(ref: StepRef, stage: str | tuple[str, ...], *deps, attrs: dict | None = None):
@@ -311,31 +334,48 @@ def score_task(cfg: GRPOConfig, ref: StepRef, policy_path: str, start: int, stop
     store = RolloutStore(ref.root)
     rows = store.read(ref.step, "tokens", "length", start=start, stop=stop)
     G = cfg.rollout.group_size
-    records = _records(cfg, policy_path, ref.step, start // G, stop // G)
+    scores = _score(cfg, policy_path, rows, _records(cfg, policy_path, ref.step, start // G, stop // G), chunk_samples)
+    store.write_rows(ref.step, scores, start=start)
+    return reward_statistics(scores["reward"], rows["length"], G, scores["reward_failed"])
+
+
+def _score(cfg: GRPOConfig, policy_path: str, rows: dict[str, np.ndarray], records: list[PromptRecord],
+           chunk_samples: int) -> dict[str, np.ndarray]:
+    """Rewards, failures and group-normalised advantages (dask.array over chunks of whole groups)
+    of rows holding ``tokens`` and ``length`` of whole groups, ``records`` their prompts."""
+    G = cfg.rollout.group_size
     scored = score_rows(_codec(cfg, policy_path), rows, records, G, cfg.reward)
-    chunks = min(chunk_samples, stop - start)
+    chunks = min(chunk_samples, len(scored.reward))
     adv = normalize_advantages(da.from_array(scored.reward, chunks=chunks), G, cfg.advantage,
                                da.from_array(~scored.failed, chunks=chunks)).compute(scheduler="synchronous")
-    store.write_rows(ref.step, {"reward": scored.reward, "reward_failed": scored.failed, "advantage": adv}, start=start)
-    return reward_statistics(scored.reward, rows["length"], G, scored.failed)
+    return {"reward": scored.reward, "reward_failed": scored.failed, "advantage": adv}
 
 
-def mark_scored(cfg: GRPOConfig, ref: StepRef, *scores: dict) -> dict[str, float]:
+def mark_scored(cfg: GRPOConfig, ref: StepRef, *scores: dict, rollout: bool = False) -> dict[str, float]:
     """The gate of several scoring tasks: the step's reward statistics from the stored arrays, and
-    the reward and advantage stages marked complete in one update."""
+    the reward and advantage stages marked complete in one update. ``rollout``: ``scores`` are
+    rollout tasks that scored their own rows (reward.in_rollout); the rollout stage is marked in
+    the same update, with their results."""
     store = RolloutStore(ref.root)
     r = store.read(ref.step, "reward", "length", "reward_failed")
     stats = reward_statistics(r["reward"], r["length"], cfg.rollout.group_size, r["reward_failed"])
-    store.mark_complete(ref.step, SCORED, results_reward=[_jsonable(d) for d in scores],
+    results = [_jsonable(d) for d in scores]
+    by_stage = {"results_rollout": results} if rollout else {}
+    store.mark_complete(ref.step, (("rollout",) if rollout else ()) + SCORED, **by_stage, results_reward=results,
                         results_advantage=[_jsonable(stats)])
     return stats
 
 
 # -- reference log-probs ------------------------------------------------------------------------------
-def _read_sequences(store: RolloutStore, step: int, proximal: bool = False) -> dict[str, np.ndarray]:
-    """The arrays build_global_batch reads; ``proximal``: with prox_logp (decoupled PPO's anchor)."""
-    return store.read(step, "prompt_ids", "prompt_len", "tokens", "length", "behav_logp", "ref_logp",
-                      "advantage", "reward_failed", *(("prox_logp",) if proximal else ()))
+def _read_sequences(store: RolloutStore, step: int, proximal: bool = False, reference: bool = True
+                    ) -> dict[str, np.ndarray]:
+    """The arrays build_global_batch reads; ``proximal``: with prox_logp (decoupled PPO's anchor);
+    ``reference`` False: ref_logp not read but zeros (the train task computes it)."""
+    a = store.read(step, "prompt_ids", "prompt_len", "tokens", "length", "behav_logp", "advantage", "reward_failed",
+                   *(("ref_logp",) if reference else ()), *(("prox_logp",) if proximal else ()))
+    if not reference:
+        a["ref_logp"] = np.zeros(a["tokens"].shape, np.float32)
+    return a
 
 
 def _forward_batch(cfg: GRPOConfig, store: RolloutStore, step: int, pad_id: int):
@@ -393,17 +433,30 @@ def advantage_task(cfg: GRPOConfig, ref: StepRef, *deps) -> dict[str, float]:
 
 
 # -- training and publication -------------------------------------------------------------------------
-def train_task(cfg: GRPOConfig, ref: StepRef, folder: RunFolder, new_version: int, *deps) -> dict:
-    """One optimiser step on this rank, then write this rank's shard of the new policy version."""
+def train_task(cfg: GRPOConfig, ref: StepRef, folder: RunFolder, new_version: int, with_reference: bool,
+               *deps) -> dict:
+    """One optimiser step on this rank, then write this rank's shard of the new policy version.
+    ``with_reference`` (train.reference_pass = fused): run the reference pass over the step's batch
+    first (its log-probs go straight into the batch); the output rank stores them and marks the
+    reference stage complete, as the stage's own task would."""
     t_start = time.time()
     _threads(cfg, "train")
     engine = _rank(cfg.run_name)
     store = RolloutStore(ref.root)
-    a = _read_sequences(store, ref.step, proximal="proximal" in store.completed(ref.step))
+    a = _read_sequences(store, ref.step, proximal="proximal" in store.completed(ref.step), reference=not with_reference)
     batch = build_global_batch(a, cfg.train.loss_aggregation, engine.setup.model.pad_token_id or 0,
                                cfg.microbatch_layout, reward_failed=a["reward_failed"],
                                group_size=cfg.rollout.group_size)
-    result = engine.train_step(batch)
+    fused = {}
+    if with_reference:
+        result, ref_logp = engine.train_step_with_reference(batch)
+        fused = {"reference_seconds": result.metrics["reference_seconds"]}
+        if ref_logp is not None:
+            store.write(ref.step, "ref_logp", ref_logp)
+            mark_stage_complete(ref, "reference", {**fused, "rank": engine.rank, "task_start": t_start,
+                                                   "task_end": time.time()})
+    else:
+        result = engine.train_step(batch)
     t0 = time.perf_counter()
     layout, coord = engine.layout, engine.coord
     num_bytes, state = 0, None
@@ -418,7 +471,7 @@ def train_task(cfg: GRPOConfig, ref: StepRef, folder: RunFolder, new_version: in
     sync = weight_sync.send_version(cfg.run_name, state, new_version)  # {} unless weight_sync=memory
     return {"rank": engine.rank, "metrics": result.metrics, "window_ns": result.window_ns,
             "events": chrome_events(engine.rank, result.actions, result.window_ns, origin_ns=0),
-            "shard_bytes": num_bytes, "shard_seconds": shard_s, **sync,
+            "shard_bytes": num_bytes, "shard_seconds": shard_s, **sync, **fused,
             "task_start": t_start, "task_end": time.time()}
 
 

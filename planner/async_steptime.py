@@ -9,7 +9,12 @@ seconds per step minus its critical path):
 
     sync (s = 0):        R + max(W, F) + T + U + L                      (one step in flight)
     async, decoupled:    max(R, F + P + T + 2 H, (R + max(W, F + P) + T + U + L) / (s + 1), C / n)
-    async, colocated:    R + F + P + T + 2 H  (+ the cycle and host bounds as above)
+    async, colocated:    R + max(W, F + P) + T + 2 H  (+ the cycle and host bounds as above)
+
+Where the graph runs a stage inside another's tasks the terms move: with reward.in_rollout the
+engine's task scores (R + W, and nothing runs beside the passes), with train.reference_pass = fused
+the train task runs F after the advantages are in (max(W, P) + F where max(W, F + P) stood), and
+the training chain loses the reference task's hand-off (one H a step, two with a proximal pass).
 
 Decoupled, the engine and the ranks each run their own chain; a step's rollout also waits for the
 publish of step k - s - 1, a cycle through s + 1 steps, hence the third term. Colocated, one worker
@@ -53,6 +58,10 @@ class StageSeconds:
     """CPU seconds per step of every process of the run on the host; None: no host bound."""
     cores: int | None = None
     """The host's cores, for host_cpu."""
+    reward_in_rollout: bool = False
+    """The engines score their own rows (reward.in_rollout): W follows R on the engine."""
+    reference_in_train: bool = False
+    """The train tasks run the reference pass (train.reference_pass = fused)."""
 
     def __post_init__(self) -> None:
         for name in ("rollout", "reward", "reference", "advantage", "train", "publish", "loop", "handoff"):
@@ -71,10 +80,23 @@ class StageSeconds:
     def prox(self) -> float:
         return self.reference if self.proximal is None else self.proximal
 
+    @property
+    def engine(self) -> float:
+        """The rollout task's seconds: R, plus W when the engine scores."""
+        return self.rollout + (self.reward + self.advantage if self.reward_in_rollout else 0.0)
+
+    def between(self, proximal: float) -> float:
+        """From the rollout task's end to the train step's start (``proximal``: the proximal pass
+        on the training ranks, 0 when there is none)."""
+        scoring = 0.0 if self.reward_in_rollout else self.reward + self.advantage
+        if self.reference_in_train:
+            return max(scoring, proximal) + self.reference
+        return max(scoring, self.reference + proximal)
+
 
 def sync_step_seconds(t: StageSeconds) -> float:
     """Seconds per step of the synchronous loop: the critical path plus the loop's own seconds."""
-    return t.rollout + max(t.reward + t.advantage, t.reference) + t.train + t.publish + t.loop
+    return t.engine + t.between(0.0) + t.train + t.publish + t.loop
 
 
 def async_step_seconds(t: StageSeconds, max_staleness: int, colocated: bool = False) -> float:
@@ -83,9 +105,11 @@ def async_step_seconds(t: StageSeconds, max_staleness: int, colocated: bool = Fa
         raise ValueError(f"max_staleness={max_staleness} must be >= 0")
     if max_staleness == 0:
         return sync_step_seconds(t)
-    cycle = (t.rollout + max(t.reward + t.advantage, t.reference + t.prox) + t.train + t.publish + t.loop) \
-        / (max_staleness + 1)
-    chain = t.reference + t.prox + t.train + 2 * t.handoff
-    if colocated:
-        return max(t.rollout + chain, cycle, t.host_floor)
-    return max(t.rollout, chain, cycle, t.host_floor)
+    cycle = (t.engine + t.between(t.prox) + t.train + t.publish + t.loop) / (max_staleness + 1)
+    # The ranks' tasks of a step, each a hand-off after the one before: reference (unless inside
+    # train), proximal (a pass of its own), train.
+    handoffs = 2 if not t.reference_in_train or t.prox > 0 else 1
+    chain = t.reference + t.prox + t.train + handoffs * t.handoff
+    if colocated:  # one queue: the rollout task, then the ranks' tasks once their inputs are in
+        return max(t.engine + t.between(t.prox) + t.train + handoffs * t.handoff, cycle, t.host_floor)
+    return max(t.engine, chain, cycle, t.host_floor)

@@ -49,6 +49,7 @@ LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-no
 ESTIMATORS = ("grpo", "dr_grpo")
 KEEP_OPTIMIZER_STATE = ("latest", "all")
 REFERENCE_PARALLEL = ("pipeline", "data")
+REFERENCE_PASSES = ("separate", "fused")
 ROLLOUT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 TRAIN_DEVICES = ("cpu", "cuda", "auto")
 TRAIN_DTYPES = ("float32", "bfloat16")
@@ -167,6 +168,11 @@ class RewardConfig:
     fields (``answer=`` ...); a sample's reward is their sum. Checked when the config loads."""
     num_tasks: int = 2
     """Parallel scoring tasks per step; each scores whole groups."""
+    in_rollout: bool = False
+    """Score inside the rollout tasks instead: each engine scores the groups it generated, writes
+    their rewards and advantages with the rows and hands the step straight to the reference and
+    train stages (num_tasks is not used). The reward process then runs beside each engine. Off: the
+    scoring tasks run on the plain workers, beside the reference pass (docs/performance.md)."""
     timeout_s: float = 5.0
     """Wall-clock limit for one sample's rewards; past it the scoring process is killed and the
     sample is a failed sample (left out of its group's statistics and of the loss)."""
@@ -273,6 +279,13 @@ class TrainConfig:
     log-probs (the same values, bit for bit); for models small enough that every rank can hold the
     whole reference beside its policy stages, where it is faster (docs/performance.md). Needs
     tensor_model_parallel_size 1."""
+    reference_pass: str = "separate"
+    """Where the frozen reference's pass runs in a step's graph. separate: a task per training rank
+    of its own, after the rollout and beside the reward scoring; its log-probs are stored and the
+    train tasks read them back. fused: inside the train tasks, over the step's own batch, right
+    before the optimiser step (TrainRank.train_step_with_reference): one dispatch, one read of the
+    step and one batch build fewer, for the scoring no longer running beside it. The log-probs are
+    stored as well, and the gradient is the separate pass's bit for bit."""
     keep_optimizer_state: str = "latest"
     """Which policy versions keep the ranks' AdamW state (twice the weights' bytes in float32).
     latest: a version's state is deleted once the step after the one starting from it is logged:
@@ -285,6 +298,7 @@ class TrainConfig:
         _one_of("train.keep_optimizer_state", self.keep_optimizer_state, KEEP_OPTIMIZER_STATE)
         _one_of("train.loss_aggregation", self.loss_aggregation, LOSS_AGGREGATIONS)
         _one_of("train.reference_parallel", self.reference_parallel, REFERENCE_PARALLEL)
+        _one_of("train.reference_pass", self.reference_pass, REFERENCE_PASSES)
         _one_of("train.device", self.device, TRAIN_DEVICES)
         _one_of("train.dtype", self.dtype, TRAIN_DTYPES)
         for key in ("pipeline_model_parallel_size", "tensor_model_parallel_size", "data_parallel_size",

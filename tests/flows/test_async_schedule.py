@@ -3,6 +3,8 @@ that select it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -93,17 +95,19 @@ def test_schema_stays_torch_free():
     assert out.strip() == "False"
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.builds(StepDurations, *[st.integers(0, 20).map(float)] * 7), st.integers(0, 3))
-def test_planner_closed_form_matches_the_event_model(d, s):
+@settings(max_examples=150, deadline=None)
+@given(st.builds(StepDurations, *[st.integers(0, 20).map(float)] * 7), st.integers(0, 3), st.booleans(),
+       st.booleans(), st.booleans())
+def test_planner_closed_form_matches_the_event_model(d, s, colocated, reward_in_rollout, reference_in_train):
     from planner.async_steptime import StageSeconds, async_step_seconds
 
-    ev = simulate([d] * 72, s)
+    graph = dict(reward_in_rollout=reward_in_rollout, reference_in_train=reference_in_train)
+    ev = simulate([d] * 72, s, colocated, **graph)
     m = 12  # a multiple of every period 1 .. s + 1 the steady state can have
     measured = (ev[-1].finished - ev[-1 - m].finished) / m
     t = StageSeconds(rollout=d.rollout, reward=d.reward, reference=d.reference, advantage=d.advantage,
-                     train=d.train, publish=d.publish, proximal=d.proximal)
-    assert async_step_seconds(t, s) == pytest.approx(measured, abs=1e-9)
+                     train=d.train, publish=d.publish, proximal=d.proximal, **graph)
+    assert async_step_seconds(t, s, colocated) == pytest.approx(measured, abs=1e-9)
 
 
 def test_planner_by_hand():
@@ -124,6 +128,13 @@ def test_planner_by_hand():
     assert async_step_seconds(busy, 1) == 6.5 and async_step_seconds(busy, 0) == 9
     with pytest.raises(ValueError, match="cores"):
         StageSeconds(rollout=4, reward=0.5, reference=1, advantage=0.5, train=3, publish=0.5, host_cpu=13)
+    # The engine scores and the train task runs the reference: nothing beside the passes. Sync
+    # (4 + 1) + 1 + 3 + 0.5 + 0.5 = 10; s = 1: max(engine 5, chain 1 + 1 + 3 = 5,
+    # cycle (5 + max(0, 1) + 1 + 3 + 0.5 + 0.5) / 2 = 5.5) = 5.5; one hand-off fewer without a proximal pass.
+    inside = dataclasses.replace(t, reward_in_rollout=True, reference_in_train=True)
+    assert sync_step_seconds(inside) == 10 and async_step_seconds(inside, 1) == 5.5
+    fused = dataclasses.replace(host, reference_in_train=True, proximal=0.0)
+    assert async_step_seconds(fused, 1) == max(4, 1 + 3 + 0.5, (4 + 1 + 1 + 3 + 1) / 2)
 
 
 def test_host_cpu_counts_this_process_and_the_processes_it_started():

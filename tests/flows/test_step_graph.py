@@ -1,0 +1,78 @@
+"""Where a step's reference pass and reward scoring run is a choice of graph, not of result: the
+reference inside the train tasks (train.reference_pass=fused) and the scoring inside the rollout
+tasks (reward.in_rollout) give the run of separate stages bit for bit (every Zarr array, every
+policy file), here on two engines colocated with the training ranks. The marks and the
+measurements of the stages run inside others are where the separate stages put theirs."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from conftest import assert_same_runs
+from flows.cluster import start_cluster
+from flows.config import load_config
+from flows.loop import run, run_folder
+from storage.rollouts import RolloutStore
+
+pytestmark = pytest.mark.slow
+
+ITERATIONS = 3
+SEPARATE = ["train.reference_pass=separate", "reward.in_rollout=false"]
+INSIDE = ["train.reference_pass=fused", "reward.in_rollout=true"]
+
+
+def _config(runs_dir: Path, name: str, graph: list[str]):
+    return load_config("configs/tiny.yaml", [
+        f"iterations={ITERATIONS}", f"run_name={name}", f"runs_dir={runs_dir}", "warmup.steps=30",
+        "task.prompts_per_step=8", "train.micro_batch_size=16", "cluster.placement=colocated",
+        "rollout.num_engines=2", *graph])
+
+
+@pytest.fixture(scope="module")
+def two_graphs(tmp_path_factory):
+    """(separate stages' run folder and metrics, inside-others' run folder and metrics), on one
+    cluster of the tiny config's layout: two engines colocated with the two training ranks."""
+    runs_dir = tmp_path_factory.mktemp("graphs")
+    separate = _config(runs_dir, "separate", SEPARATE)
+    client, cluster = start_cluster(separate)
+    try:
+        shared = replace(separate.cluster, scheduler_address=cluster.scheduler_address)
+        out = []
+        for name, graph in (("separate", SEPARATE), ("inside", INSIDE)):
+            cfg = replace(_config(runs_dir, name, graph), cluster=shared)
+            out.append((Path(run_folder(cfg).root), run(cfg, progress=False).metrics))
+        yield out
+    finally:
+        client.close()
+        cluster.close()
+
+
+def test_stages_inside_others_give_the_separate_stages_run(two_graphs):
+    (separate, _), (inside, _) = two_graphs
+    assert_same_runs(separate, inside, ITERATIONS, ITERATIONS + 1)
+
+
+def test_the_stages_inside_others_are_marked_and_measured(two_graphs):
+    (_, separate), (inside_dir, inside) = two_graphs
+    store = RolloutStore(inside_dir / "rollouts.zarr")
+    for step in range(ITERATIONS):
+        attrs = store.attrs(step)
+        marks = attrs["complete"]
+        assert {"rollout", "reward", "advantage", "reference", "train", "publish"} <= set(marks)
+        assert marks.index("reward") < marks.index("reference") < marks.index("train")
+        (reference,) = attrs["results_reference"]  # the output rank's train task, after its pass
+        assert reference["reference_seconds"] > 0 and reference["rank"] == 1
+        assert all(r["reward_seconds"] > 0 for r in attrs["results_rollout"])
+    for ours, theirs in zip(inside, separate):
+        # Each stage's own seconds, taken out of its host's: the stages still add up to the step.
+        assert ours["reference_seconds"] == ours["reference_compute_seconds"] > 0
+        assert 0 < ours["reward_seconds"] < ours["rollout_seconds"] + ours["reward_seconds"]
+        assert ours["train_seconds"] > 0 and ours["advantage_seconds"] >= 0
+        parts = sum(ours[f"{s}_seconds"] for s in ("rollout", "reward", "reference", "train", "publish"))
+        assert parts <= ours["iteration_seconds"] * 1.01
+        assert "train_handoff_seconds" not in ours  # no forward-only task before the train tasks
+        for key in ("reward_mean", "loss", "kl", "grad_norm", "reward_failed", "completion_length_mean"):
+            assert ours[key] == theirs[key], key

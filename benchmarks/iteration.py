@@ -83,10 +83,11 @@ def baseline_iterations(cfg: GRPOConfig, policy_path: str) -> list[dict[str, flo
     """The same iterations in this process, plain (see the module docstring); per-step seconds."""
     # Every core the process has, by grpoflow's own rule for one busy engine (1 on an oversubscribed
     # host, where more intra-op threads only wait on each other: docs/performance.md). The loop is
-    # one synchronous process whatever rollout.max_staleness or rollout.num_engines say, so it takes
-    # the rule for one engine and no overlap: otherwise the rule would share the cores among engines
-    # and pools this process does not have.
-    sync_cfg = replace(cfg, rollout=replace(cfg.rollout, max_staleness=0, num_engines=1))
+    # one synchronous process whatever rollout.max_staleness, rollout.num_engines or
+    # cluster.placement say, so it takes the rule for one decoupled engine and no overlap: otherwise
+    # the rule would share the cores among engines and pools this process does not have.
+    sync_cfg = replace(cfg, rollout=replace(cfg.rollout, max_staleness=0, num_engines=1),
+                       cluster=replace(cfg.cluster, placement="decoupled"))
     torch.set_num_threads(phase_threads(sync_cfg, "rollout"))
     hf_config, tokenizer_json, tensors = load_model_folder(policy_path)
     model_cfg = DecoderConfig.from_hf(hf_config)

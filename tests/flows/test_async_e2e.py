@@ -60,11 +60,12 @@ def test_versions_and_staleness_follow_the_rule(two_runs):
 
 
 def test_the_memory_run_generated_from_the_weights_it_received(two_runs):
-    _, (_, disk), (_, memory) = two_runs
+    _, (_, disk), (cfg, memory) = two_runs
     # s = 1: steps 0 and 1 generate from v0 (the version the ranks were built from, on disk; step 1
-    # finds it held), step 2 from v1, which step 0 sent while step 1's rollout ran.
+    # finds it held), step 2 from v1, which step 0 sent while step 1's rollout ran; each engine loads.
+    n = cfg.rollout.num_engines
     loads = [(m["weight_loads_from_memory"], m["weight_loads_from_disk"]) for m in memory.metrics]
-    assert loads == [(0, 1), (0, 0), (1, 0)]
+    assert loads == [(0, n), (0, 0), (n, 0)]
     assert all(m["weight_sync_memory_send_failures"] == 0 for m in memory.metrics)
     assert memory.metrics[2]["weight_sync_memory_receive_bytes"] == memory.metrics[0]["weight_sync_memory_send_bytes"]
     assert all("weight_sync_memory_send_seconds" not in m and m["weight_loads_from_memory"] == 0

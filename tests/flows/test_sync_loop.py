@@ -24,13 +24,14 @@ from storage.policies import load_model_folder
 pytestmark = pytest.mark.slow
 
 ITERATIONS = 3
+ENGINES = 2  # as configs/tiny.yaml: colocated with the two training ranks
 
 
 def _config(runs_dir: Path):
     return load_config("configs/tiny.yaml", [
-        f"iterations={ITERATIONS}", "run_name=sync", f"runs_dir={runs_dir}", "warmup.steps=30",
+        f"iterations={ITERATIONS}", "run_name=sync", f"runs_dir={runs_dir}", "warmup.steps=100",
         "task.prompts_per_step=8", "train.micro_batch_size=16", "rollout.max_staleness=0",
-        "cluster.weight_sync=memory"])
+        "cluster.weight_sync=memory", f"rollout.num_engines={ENGINES}", "cluster.placement=colocated"])
 
 
 def _step_by_step(client, cfg, pools) -> None:
@@ -84,7 +85,8 @@ def test_a_resumed_memory_sync_run_equals_the_uninterrupted_one(two_paths):
     loop_dir, _, _, resumed_dir, resumed = two_paths
     _same_run(loop_dir, resumed_dir)
     # The resumed process built its ranks from v2 and opened a new channel: step 2 read v2 from disk.
-    assert (resumed.metrics[2]["weight_loads_from_memory"], resumed.metrics[2]["weight_loads_from_disk"]) == (0, 1)
+    n = ENGINES
+    assert (resumed.metrics[2]["weight_loads_from_memory"], resumed.metrics[2]["weight_loads_from_disk"]) == (0, n)
 
 
 def test_the_engine_generated_from_the_weights_it_received(two_paths):
@@ -97,14 +99,16 @@ def test_the_engine_generated_from_the_weights_it_received(two_paths):
         # version the ranks were built from: disk).
         assert m["weight_sync_memory_send_failures"] == 0 and m["weight_sync_memory_send_bytes"] > 0
         assert m["publish_bytes"] > 0 and "publish_write_seconds" in m
-        assert (m["weight_loads_from_memory"], m["weight_loads_from_disk"]) == ((0, 1) if step == 0 else (1, 0))
+        n = ENGINES  # every engine loads each version
+        assert (m["weight_loads_from_memory"], m["weight_loads_from_disk"]) == ((0, n) if step == 0 else (n, 0))
         if step == 0:
             assert m["weight_load_disk_seconds"] > 0
             continue
         assert m["weight_sync_memory_receive_bytes"] == m["weight_sync_memory_send_bytes"]
-        (load,) = store.attrs(step)["results_rollout"]
+        loads = store.attrs(step)["results_rollout"]
         _, _, tensors = load_model_folder(loop_dir / "policy" / f"v{step}")
-        assert load["weights_from"] == "memory" and load["weights_content_hash"] == state_digest(tensors)
+        assert len(loads) == ENGINES
+        assert all(r["weights_from"] == "memory" and r["weights_content_hash"] == state_digest(tensors) for r in loads)
 
 
 def test_the_output_rank_marks_the_reference_stage_itself(two_paths):
@@ -131,5 +135,6 @@ def test_colocated_engines_receive_beside_their_training_rank(tmp_path):
         "iterations=2", "run_name=colocated", f"runs_dir={tmp_path}", "warmup.steps=30", "task.prompts_per_step=8",
         "train.micro_batch_size=16", "cluster.placement=colocated", "cluster.weight_sync=memory"])
     metrics = run(cfg, progress=False).metrics
-    assert [(m["weight_loads_from_memory"], m["weight_loads_from_disk"]) for m in metrics] == [(0, 1), (1, 0)]
+    n = cfg.rollout.num_engines
+    assert [(m["weight_loads_from_memory"], m["weight_loads_from_disk"]) for m in metrics] == [(0, n), (n, 0)]
     assert all(m["weight_sync_memory_send_failures"] == 0 for m in metrics)

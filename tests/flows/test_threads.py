@@ -8,13 +8,18 @@ from flows.config import load_config
 from flows.tasks import phase_threads
 
 
+_DECOUPLED = ["cluster.placement=decoupled", "rollout.num_engines=1"]
+
+
 @pytest.mark.parametrize("overrides, cores, rollout, train", [
-    ([], 2, 2, 1),  # sync, decoupled: 1 engine takes both cores; 2 ranks share them
-    ([], 8, 8, 4),
-    (["rollout.max_staleness=1"], 2, 1, 1),  # steps overlap: 1 engine + 2 ranks busy at once
-    (["rollout.max_staleness=1"], 6, 2, 2),
-    (["cluster.placement=colocated"], 4, 2, 2),  # one pool: max(1 engine, 2 ranks) workers
-    (["cluster.rollout_threads=3", "cluster.train_threads=1"], 8, 3, 1),  # fixed counts win
+    (_DECOUPLED, 2, 2, 1),  # sync, decoupled: 1 engine takes both cores; 2 ranks share them
+    (_DECOUPLED, 8, 8, 4),
+    ([*_DECOUPLED, "rollout.max_staleness=1"], 2, 1, 1),  # steps overlap: 1 engine + 2 ranks busy at once
+    ([*_DECOUPLED, "rollout.max_staleness=1"], 6, 2, 2),
+    (["cluster.placement=colocated", "rollout.num_engines=1"], 4, 2, 2),  # one pool: max(1 engine, 2 ranks)
+    ([], 2, 1, 1),  # the tiny config: 2 engines in the 2 training workers, max(2, 2) = 2
+    ([], 8, 4, 4),
+    ([*_DECOUPLED, "cluster.rollout_threads=3", "cluster.train_threads=1"], 8, 3, 1),  # fixed counts win
 ])
 def test_threads_per_phase(overrides, cores, rollout, train):
     cfg = load_config("configs/tiny.yaml", overrides)

@@ -33,7 +33,8 @@ def test_a_worker_restarting_longer_than_the_lost_worker_timeout_comes_back(tmp_
     """Dask's SpecCluster closes the nanny of a worker still missing ``lost-worker-timeout`` after it
     died, killing the nanny's restart in progress; the embedded cluster keeps its nannies. A
     restart (a new Python process) takes far longer than the 0.1 s timeout set here."""
-    cfg = load_config("configs/tiny.yaml", [f"runs_dir={tmp_path}"])
+    cfg = load_config("configs/tiny.yaml", [f"runs_dir={tmp_path}", "cluster.placement=decoupled",
+                                            "rollout.num_engines=1"])
     with dask.config.set({"distributed.deploy.lost-worker-timeout": "0.1s"}):
         client, cluster = start_cluster(cfg)
         try:

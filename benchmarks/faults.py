@@ -37,13 +37,11 @@ import numpy as np
 
 from flows.cluster import start_cluster, worker_addresses
 from flows.config import load_config
-from flows.iteration import STAGES
+from flows.iteration import STAGES, inside_stages, stage_inputs, step_stages
 from flows.loop import run, run_folder
 from flows.schema import GRPOConfig
 from stages.rollout.rows import first_group_id
 
-_AFTER = {"rollout": (), "reward": ("rollout",), "reference": ("rollout",), "advantage": ("reward",),
-          "train": ("advantage", "reference"), "publish": ("train",)}
 _POLL_S = 0.005  # the killer's look at the store; tiny stages last ~0.05-2 s
 
 
@@ -120,9 +118,10 @@ class _Restarts(logging.Handler):
 
 def _running(store, cfg: GRPOConfig, first_step: int) -> str:
     """The first incomplete stage at or after ``first_step``, as step=<s>/<stage>."""
+    inside = inside_stages(cfg)  # marked with their hosts or later: not where the step is
     for step in range(first_step, cfg.iterations):
         done = store.completed(step) if store.has_step(step) else set()
-        stage = next((s for s in STAGES if s not in done), None)
+        stage = next((s for s in STAGES if s not in done and s not in inside), None)
         if stage is not None:
             return f"step={step}/{stage}"
     return "after the last step"
@@ -140,6 +139,12 @@ def _scoring_worker(client, cfg: GRPOConfig, step: int, until: float, stop: thre
             return seen
         time.sleep(_POLL_S / 4)
     return None
+
+
+def _inputs(cfg: GRPOConfig, stage: str) -> set[str]:
+    """The stages whose marks say ``stage`` has started: those it waits for in the config's graph."""
+    inside = inside_stages(cfg)
+    return set(stage_inputs(inside)[stage]) & (set(step_stages(cfg)) - set(inside))
 
 
 def _kill_when_started(client, cfg: GRPOConfig, trial: Trial, stop: threading.Event) -> None:
@@ -164,7 +169,7 @@ def _kill_when_started(client, cfg: GRPOConfig, trial: Trial, stop: threading.Ev
                 done = None
         except Exception:  # attrs mid-write: look again
             done = None
-        if done is not None and set(_AFTER[trial.stage]) <= done:
+        if done is not None and _inputs(cfg, trial.stage) <= done:
             break
         time.sleep(_POLL_S)
     else:

@@ -84,9 +84,10 @@ def simulate(durations: list[StepDurations], max_staleness: int, colocated: bool
     One rollout engine and one training pipeline, each running one task at a time; reward and
     advantage run on their own workers. colocated: the engine is a training worker, so rollout and
     the training-rank tasks share one queue. The proximal stage runs only when s >= 1.
-    reward_in_rollout (reward.in_rollout): the engine's task scores its rows, reward and advantage
-    after its generation; reference_in_train (train.reference_pass = fused): the train task runs
-    the reference pass, once the advantages are in, before its step."""
+    reward_in_rollout (reward.in_rollout): the engine's task scores its rows after its generation,
+    and the advantage stage (the gate marking the scores) runs beside the passes, publish waiting
+    for it; reference_in_train (train.reference_pass = fused): the train task runs the reference
+    pass, once the advantages are in, before its step."""
     s = max_staleness
     events: list[StepEvents] = []
     rollout_free = train_free = 0.0
@@ -104,9 +105,10 @@ def simulate(durations: list[StepDurations], max_staleness: int, colocated: bool
         # Rollouts of later steps queue behind earlier ones on the engine (Dask priority by submission).
         r_end = run("rollout", max(submitted, published[v], rollout_free), d.rollout)
         reward_end = run("reward", r_end, d.reward)
-        adv_end = run("advantage", reward_end, d.advantage)
         if reward_in_rollout:  # the engine's own task: the rows are out once they are scored
-            r_end = adv_end
+            r_end = reward_end
+        adv_end = run("advantage", reward_end, d.advantage)
+        scored = r_end if reward_in_rollout else adv_end  # what the passes wait for
         rollout_free = r_end
         if colocated:
             train_free = max(train_free, r_end)
@@ -114,16 +116,16 @@ def simulate(durations: list[StepDurations], max_staleness: int, colocated: bool
         proximal = d.proximal if s >= 1 else 0.0
         if reference_in_train:
             prox_end = run("proximal", max(r_end, prev_train, train_free), proximal)
-            ref_end = run("reference", max(prox_end, adv_end), d.reference)
+            ref_end = run("reference", max(prox_end, scored), d.reference)
             t_end = run("train", ref_end, d.train)
         else:
             ref_end = run("reference", max(r_end, prev_train, train_free), d.reference)
             prox_end = run("proximal", ref_end, proximal)
-            t_end = run("train", max(prox_end, adv_end), d.train)
+            t_end = run("train", max(prox_end, scored), d.train)
         train_free = t_end
         if colocated:
             rollout_free = max(rollout_free, t_end)
-        p_end = run("publish", t_end, d.publish)
+        p_end = run("publish", max(t_end, adv_end), d.publish)
         published[k + 1] = p_end
         finished = max(p_end, events[k - 1].finished if k else 0.0)
         events.append(StepEvents(k, v, trainer_version(k), submitted, spans,

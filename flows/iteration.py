@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Collection
 
 from dask.base import tokenize
 from distributed import Client, Future, wait
@@ -51,7 +51,7 @@ from storage.run_folder import RunFolder
 
 __all__ = ["STAGES", "IterationError", "WorkerLostError", "IterationResult", "PendingIteration", "PendingPolicy",
            "StageFutures", "run_iteration", "prepare_step", "submit_iteration", "finish_iteration", "step_layout",
-           "step_stages"]
+           "step_stages", "inside_stages", "stage_inputs"]
 
 STAGES = ("rollout", "reward", "reference", "advantage", "train", "publish")
 # What each stage waits for; a stage's seconds are measured from the last of these finishing.
@@ -62,6 +62,20 @@ _AFTER = {"rollout": (), "reward": ("rollout",), "reference": ("rollout",), "pro
 _POLL_S = 0.5  # how often a running step checks that its training workers are alive
 _STATELESS_RETRIES = 2  # Dask reruns of a reward / advantage / publish / gate task that raised
 _LOST_GRACE_S = 3.0  # a rank's peers may report its death before the scheduler has noticed it
+
+
+def inside_stages(cfg: GRPOConfig) -> dict[str, str]:
+    """The stages ``cfg``'s graph runs inside another stage's tasks: {stage: host}."""
+    return {**({"reward": "rollout"} if cfg.reward.in_rollout else {}),
+            **({"reference": "train"} if cfg.train.reference_pass == "fused" else {})}
+
+
+def stage_inputs(through: Collection[str]) -> dict[str, tuple[str, ...]]:
+    """What each stage waits for when nothing waits on the stages ``through`` (run inside another
+    stage's tasks, or beside the stages after them): a stage waits for what those waited for."""
+    def inputs(stage: str) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(x for d in _AFTER[stage] for x in (inputs(d) if d in through else (d,))))
+    return {s: inputs(s) for s in _AFTER}
 
 
 def step_stages(cfg: GRPOConfig) -> tuple[str, ...]:
@@ -111,8 +125,13 @@ class StageFutures:
     forward-only pass), a scoring task or gate (reward and advantage together), or the next
     stage's task (``marked_by_next``); None when the stage was skipped."""
     marked_by_next: bool = False
-    """The gate is the next stage's task (publish marks train before it publishes): the stage
-    ends when its work does."""
+    """The gate is the next stage's task (publish marks train before it publishes) or a task that
+    runs beside the next stage (reward.in_rollout's gate, the advantage stage's): the stage ends
+    when its work does."""
+    beside: bool = False
+    """The stage's task runs beside the stages after it, which wait for the stages before it
+    (reward.in_rollout's gate: it sums up and marks what the rollout tasks wrote while the train
+    tasks read it; publish waits for it, so no later stage is marked first)."""
     inside: str = ""
     """The stage whose tasks run this one (train.reference_pass = fused: the reference inside
     train; reward.in_rollout: the scoring inside rollout): ``work`` is those tasks, whose results
@@ -228,6 +247,7 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
 
     # reward.in_rollout: each engine scores the groups it generates (a range of whole groups).
     scored_in_rollout = cfg.reward.in_rollout and not {"rollout", "reward"} & done
+    scored_gate: tuple[Future, ...] = ()  # the gate marking what the rollout tasks scored; publish waits on it
     if "rollout" in done:
         rollout = skip("rollout")
     else:
@@ -238,14 +258,18 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
                   dict(key=f"rollout-{ref.step}-{i}-{tok}", resources={"rollout": 1}, pure=False))
                  for i, (lo, hi) in enumerate(_ranges(layout.num_prompts, gpc, len(pools.rollout)))
                  for engine in [pools.rollout[i % len(pools.rollout)]]]
-        if scored_in_rollout:  # one gate marks rollout, reward and advantage with the step's statistics
+        if scored_in_rollout:
+            # One gate marks rollout, reward and advantage with the step's statistics. The tasks
+            # after it read only the arrays the rollout tasks wrote, so they wait on those tasks
+            # and the gate runs beside them; publish waits on the gate, so no later stage is marked
+            # before these three.
             work = tuple(client.submit(fn, *args, **kw) for fn, args, kw in calls)
             gate = client.submit(tasks.mark_scored, cfg, ref, *work, rollout=True,
                                  key=f"rollout-scored-{ref.step}-{tok}", **io)
-            stages["rollout"] = StageFutures("rollout", work, gate)
+            stages["rollout"] = StageFutures("rollout", work, gate, marked_by_next=True)
             stages["reward"] = StageFutures("reward", work, inside="rollout")
-            stages["advantage"] = StageFutures("advantage", (gate,), gate)  # the step's reward statistics
-            rollout = advantage = (gate,)
+            stages["advantage"] = StageFutures("advantage", (gate,), gate, beside=True)  # the reward statistics
+            rollout, advantage, scored_gate = work, (), (gate,)
         else:
             rollout = add("rollout", calls)
 
@@ -308,7 +332,7 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
     publish = client.submit(tasks.run_and_mark, tasks.publish_task, ref, "publish",
                             {"next_policy_version": new_version}, folder, ref, new_version, policy_arg,
                             cfg.train.pipeline_model_parallel_size, {"trainer_version": ref.step} if trains else None,
-                            *trains, key=f"publish-{ref.step}-{tok}", **io)
+                            trains, *scored_gate, key=f"publish-{ref.step}-{tok}", **io)
     stages["train"] = StageFutures("train", trains, publish, marked_by_next=True) if trains else StageFutures("train")
     stages["publish"] = StageFutures("publish", (publish,), publish)
     return {name: stages[name] for name in step_stages(cfg)}
@@ -450,9 +474,7 @@ def finish_iteration(pending: PendingIteration, on_stage: Callable[[str], None] 
                     f.cancel()
 
     inside = {s.stage: s.inside for s in stages.values() if s.inside}
-    # A stage waits for what the stages run inside others' tasks waited for, not for them.
-    after = {s: tuple(dict.fromkeys(x for d in deps for x in (_AFTER[d] if d in inside else (d,))))
-             for s, deps in _AFTER.items()}
+    after = stage_inputs({*inside, *(s.stage for s in stages.values() if s.beside)})
     stage_seconds = {s: finished_at[s] - max((finished_at[d] for d in after[s] if d in finished_at), default=start)
                      for s in pending.names}
     for s, host in inside.items():  # its own seconds in the host's tasks (the slowest one's), out of the host's

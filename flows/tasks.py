@@ -437,8 +437,9 @@ def train_task(cfg: GRPOConfig, ref: StepRef, folder: RunFolder, new_version: in
                *deps) -> dict:
     """One optimiser step on this rank, then write this rank's shard of the new policy version.
     ``with_reference`` (train.reference_pass = fused): run the reference pass over the step's batch
-    first (its log-probs go straight into the batch); the output rank stores them and marks the
-    reference stage complete, as the stage's own task would."""
+    first (its log-probs go straight into the batch); the output rank stores them and returns the
+    pass's measurements under ``reference``, which publish marks complete before train (the stages
+    before it are marked beside this task: :func:`publish_task`)."""
     t_start = time.time()
     _threads(cfg, "train")
     engine = _rank(cfg.run_name)
@@ -453,8 +454,8 @@ def train_task(cfg: GRPOConfig, ref: StepRef, folder: RunFolder, new_version: in
         fused = {"reference_seconds": result.metrics["reference_seconds"]}
         if ref_logp is not None:
             store.write(ref.step, "ref_logp", ref_logp)
-            mark_stage_complete(ref, "reference", {**fused, "rank": engine.rank, "task_start": t_start,
-                                                   "task_end": time.time()})
+            fused["reference"] = {"reference_seconds": fused["reference_seconds"], "rank": engine.rank,
+                                  "task_start": t_start, "task_end": time.time()}
     else:
         result = engine.train_step(batch)
     t0 = time.perf_counter()
@@ -476,12 +477,17 @@ def train_task(cfg: GRPOConfig, ref: StepRef, folder: RunFolder, new_version: in
 
 
 def publish_task(folder: RunFolder, ref: StepRef, new_version: int, base: PolicyRef, num_shards: int,
-                 train_attrs: dict | None, *trains: dict) -> PolicyRef:
+                 train_attrs: dict | None, trains: tuple[dict, ...], *after) -> PolicyRef:
     """Finish the new policy version once every pipeline rank's shard is written. ``trains``: the
     training tasks' results when they ran in this attempt; their stage is marked complete here
-    first, with ``train_attrs`` (one task fewer between the ranks' step and the next rollout)."""
+    first, with ``train_attrs`` (one task fewer between the ranks' step and the next rollout).
+    ``after``: tasks that mark the step's earlier stages, so train is never marked before them."""
     if trains:
-        mark_stage_complete(ref, "train", *trains, attrs=train_attrs)
+        fused = [t["reference"] for t in trains if "reference" in t]
+        if fused:  # train.reference_pass = fused: the output rank's train task ran and stored the pass
+            mark_stage_complete(ref, "reference", *fused)
+        mark_stage_complete(ref, "train", *({k: v for k, v in t.items() if k != "reference"} for t in trains),
+                            attrs=train_attrs)
     hf_config, tokenizer_json, _ = load_model_folder(base.path, names=set())
     return folder.policy_store().finalize_policy(new_version, hf_config, tokenizer_json, num_shards,
                                                  extra={"step": ref.step}, source=base.path)

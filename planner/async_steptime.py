@@ -12,7 +12,9 @@ seconds per step minus its critical path):
     async, colocated:    R + max(W, F + P) + T + 2 H  (+ the cycle and host bounds as above)
 
 Where the graph runs a stage inside another's tasks the terms move: with reward.in_rollout the
-engine's task scores (R + W, and nothing runs beside the passes), with train.reference_pass = fused
+engine's task scores and normalises (R + W, W the reward stage alone), and the advantage stage A is
+the gate that sums up and marks the scores beside the passes (publish waits for it: max(A, F + P + T)
+where F + P + T stood; nothing else does), with train.reference_pass = fused
 the train task runs F after the advantages are in (max(W, P) + F where max(W, F + P) stood), and
 the training chain loses the reference task's hand-off (one H a step, two with a proximal pass).
 
@@ -59,7 +61,8 @@ class StageSeconds:
     cores: int | None = None
     """The host's cores, for host_cpu."""
     reward_in_rollout: bool = False
-    """The engines score their own rows (reward.in_rollout): W follows R on the engine."""
+    """The engines score their own rows (reward.in_rollout): the reward stage follows R on the
+    engine, and the advantage stage (the gate marking the scores) runs beside the passes."""
     reference_in_train: bool = False
     """The train tasks run the reference pass (train.reference_pass = fused)."""
 
@@ -82,8 +85,8 @@ class StageSeconds:
 
     @property
     def engine(self) -> float:
-        """The rollout task's seconds: R, plus W when the engine scores."""
-        return self.rollout + (self.reward + self.advantage if self.reward_in_rollout else 0.0)
+        """The rollout task's seconds: R, plus the reward stage when the engine scores."""
+        return self.rollout + (self.reward if self.reward_in_rollout else 0.0)
 
     def between(self, proximal: float) -> float:
         """From the rollout task's end to the train step's start (``proximal``: the proximal pass
@@ -93,10 +96,16 @@ class StageSeconds:
             return max(scoring, proximal) + self.reference
         return max(scoring, self.reference + proximal)
 
+    def to_publish(self, proximal: float) -> float:
+        """From the rollout task's end to the publish task's start: the passes and the train step,
+        or the gate beside them when it takes longer (reward.in_rollout)."""
+        passes = self.between(proximal) + self.train
+        return max(self.advantage, passes) if self.reward_in_rollout else passes
+
 
 def sync_step_seconds(t: StageSeconds) -> float:
     """Seconds per step of the synchronous loop: the critical path plus the loop's own seconds."""
-    return t.engine + t.between(0.0) + t.train + t.publish + t.loop
+    return t.engine + t.to_publish(0.0) + t.publish + t.loop
 
 
 def async_step_seconds(t: StageSeconds, max_staleness: int, colocated: bool = False) -> float:
@@ -105,7 +114,7 @@ def async_step_seconds(t: StageSeconds, max_staleness: int, colocated: bool = Fa
         raise ValueError(f"max_staleness={max_staleness} must be >= 0")
     if max_staleness == 0:
         return sync_step_seconds(t)
-    cycle = (t.engine + t.between(t.prox) + t.train + t.publish + t.loop) / (max_staleness + 1)
+    cycle = (t.engine + t.to_publish(t.prox) + t.publish + t.loop) / (max_staleness + 1)
     # The ranks' tasks of a step, each a hand-off after the one before: reference (unless inside
     # train), proximal (a pass of its own), train.
     handoffs = 2 if not t.reference_in_train or t.prox > 0 else 1

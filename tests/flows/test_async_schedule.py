@@ -128,11 +128,13 @@ def test_planner_by_hand():
     assert async_step_seconds(busy, 1) == 6.5 and async_step_seconds(busy, 0) == 9
     with pytest.raises(ValueError, match="cores"):
         StageSeconds(rollout=4, reward=0.5, reference=1, advantage=0.5, train=3, publish=0.5, host_cpu=13)
-    # The engine scores and the train task runs the reference: nothing beside the passes. Sync
-    # (4 + 1) + 1 + 3 + 0.5 + 0.5 = 10; s = 1: max(engine 5, chain 1 + 1 + 3 = 5,
-    # cycle (5 + max(0, 1) + 1 + 3 + 0.5 + 0.5) / 2 = 5.5) = 5.5; one hand-off fewer without a proximal pass.
+    # The engine scores (reward 0.5 after its 4) and the train task runs the reference; the
+    # advantage gate (0.5) runs beside the passes. Sync 4.5 + max(0.5, 1 + 3) + 0.5 + 0.5 = 9.5;
+    # s = 1: max(engine 4.5, chain 1 + 1 + 3 = 5, cycle (4.5 + max(0, 1) + 1 + 3 + 0.5 + 0.5) / 2
+    # = 5.25) = 5.25; a gate longer than the passes holds publish back: 4.5 + 6 + 0.5 + 0.5 = 11.5.
     inside = dataclasses.replace(t, reward_in_rollout=True, reference_in_train=True)
-    assert sync_step_seconds(inside) == 10 and async_step_seconds(inside, 1) == 5.5
+    assert sync_step_seconds(inside) == 9.5 and async_step_seconds(inside, 1) == 5.25
+    assert sync_step_seconds(dataclasses.replace(inside, advantage=6)) == 11.5
     fused = dataclasses.replace(host, reference_in_train=True, proximal=0.0)
     assert async_step_seconds(fused, 1) == max(4, 1 + 3 + 0.5, (4 + 1 + 1 + 3 + 1) / 2)
 

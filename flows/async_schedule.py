@@ -85,8 +85,8 @@ def simulate(durations: list[StepDurations], max_staleness: int, colocated: bool
     advantage run on their own workers. colocated: the engine is a training worker, so rollout and
     the training-rank tasks share one queue. The proximal stage runs only when s >= 1.
     reward_in_rollout (reward.in_rollout): the engine's task scores its rows after its generation,
-    and the advantage stage (the gate marking the scores) runs beside the passes, publish waiting
-    for it; reference_in_train (train.reference_pass = fused): the train task runs the reference
+    and the advantage stage (the gate marking the scores) runs beside the fused train task, while
+    a reference or proximal task waits for it, and publish always does; reference_in_train (train.reference_pass = fused): the train task runs the reference
     pass, once the advantages are in, before its step."""
     s = max_staleness
     events: list[StepEvents] = []
@@ -114,12 +114,15 @@ def simulate(durations: list[StepDurations], max_staleness: int, colocated: bool
             train_free = max(train_free, r_end)
         prev_train = events[k - 1].spans["train"][1] if k else 0.0
         proximal = d.proximal if s >= 1 else 0.0
+        # A pass that marks its own stage starts once the rollout is marked (the gate, when the
+        # engine scores); the fused train task marks nothing itself.
+        marked = adv_end if reward_in_rollout else r_end
         if reference_in_train:
-            prox_end = run("proximal", max(r_end, prev_train, train_free), proximal)
+            prox_end = run("proximal", max(marked if proximal > 0 else r_end, prev_train, train_free), proximal)
             ref_end = run("reference", max(prox_end, scored), d.reference)
             t_end = run("train", ref_end, d.train)
         else:
-            ref_end = run("reference", max(r_end, prev_train, train_free), d.reference)
+            ref_end = run("reference", max(marked, prev_train, train_free), d.reference)
             prox_end = run("proximal", ref_end, proximal)
             t_end = run("train", max(prox_end, scored), d.train)
         train_free = t_end

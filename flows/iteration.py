@@ -304,7 +304,9 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
     elif fused:
         reference = ()
     else:
-        reference = add_ranked("reference", [(tasks.reference_task, (cfg, ref, *rollout, *prev_train),
+        # A task that marks its own stage waits for the rollout's mark (reward.in_rollout: the
+        # gate's), so a resumed step never holds a pass over rows it then generates again.
+        reference = add_ranked("reference", [(tasks.reference_task, (cfg, ref, *rollout, *scored_gate, *prev_train),
                                               dict(key=f"reference-{ref.step}-{r}-{tok}", **train_pin[r]))
                                              for r in range(world)])
 
@@ -313,7 +315,7 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
         if "proximal" in done:
             proximal = skip("proximal")
         else:  # the trainer's current weights: after the previous step's train, before this one's
-            proximal = add_ranked("proximal", [(tasks.proximal_task, (cfg, ref, *rollout, *reference,
+            proximal = add_ranked("proximal", [(tasks.proximal_task, (cfg, ref, *rollout, *scored_gate, *reference,
                                                                       *own(r, "reference"), *prev_train),
                                                 dict(key=f"proximal-{ref.step}-{r}-{tok}", **train_pin[r]))
                                                for r in range(world)])

@@ -13,8 +13,9 @@ seconds per step minus its critical path):
 
 Where the graph runs a stage inside another's tasks the terms move: with reward.in_rollout the
 engine's task scores and normalises (R + W, W the reward stage alone), and the advantage stage A is
-the gate that sums up and marks the scores beside the passes (publish waits for it: max(A, F + P + T)
-where F + P + T stood; nothing else does), with train.reference_pass = fused
+the gate that sums up and marks the scores: the fused train task runs beside it (publish waits for
+it: max(A, F + T) where F + T stood), a reference or proximal task after it (A + F + P), with
+train.reference_pass = fused
 the train task runs F after the advantages are in (max(W, P) + F where max(W, F + P) stood), and
 the training chain loses the reference task's hand-off (one H a step, two with a proximal pass).
 
@@ -90,11 +91,13 @@ class StageSeconds:
 
     def between(self, proximal: float) -> float:
         """From the rollout task's end to the train step's start (``proximal``: the proximal pass
-        on the training ranks, 0 when there is none)."""
+        on the training ranks, 0 when there is none). With the engines scoring, a pass that marks
+        its own stage (a reference or proximal task) starts after the gate that marks the scores."""
         scoring = 0.0 if self.reward_in_rollout else self.reward + self.advantage
+        gate = self.advantage if self.reward_in_rollout else 0.0
         if self.reference_in_train:
-            return max(scoring, proximal) + self.reference
-        return max(scoring, self.reference + proximal)
+            return max(scoring, gate + proximal if proximal > 0 else 0.0) + self.reference
+        return max(scoring, gate + self.reference + proximal)
 
     def to_publish(self, proximal: float) -> float:
         """From the rollout task's end to the publish task's start: the passes and the train step,

@@ -129,12 +129,15 @@ def test_planner_by_hand():
     with pytest.raises(ValueError, match="cores"):
         StageSeconds(rollout=4, reward=0.5, reference=1, advantage=0.5, train=3, publish=0.5, host_cpu=13)
     # The engine scores (reward 0.5 after its 4) and the train task runs the reference; the
-    # advantage gate (0.5) runs beside the passes. Sync 4.5 + max(0.5, 1 + 3) + 0.5 + 0.5 = 9.5;
-    # s = 1: max(engine 4.5, chain 1 + 1 + 3 = 5, cycle (4.5 + max(0, 1) + 1 + 3 + 0.5 + 0.5) / 2
-    # = 5.25) = 5.25; a gate longer than the passes holds publish back: 4.5 + 6 + 0.5 + 0.5 = 11.5.
+    # advantage gate (0.5) runs beside the train task. Sync 4.5 + max(0.5, 1 + 3) + 0.5 + 0.5 = 9.5;
+    # a gate longer than the passes holds publish back: 4.5 + 6 + 0.5 + 0.5 = 11.5. s = 1, the
+    # proximal task (1) marks itself, so it waits for the gate: max(engine 4.5, chain 1 + 1 + 3 = 5,
+    # cycle (4.5 + (0.5 + 1) + 1 + 3 + 0.5 + 0.5) / 2 = 5.5) = 5.5.
     inside = dataclasses.replace(t, reward_in_rollout=True, reference_in_train=True)
-    assert sync_step_seconds(inside) == 9.5 and async_step_seconds(inside, 1) == 5.25
+    assert sync_step_seconds(inside) == 9.5 and async_step_seconds(inside, 1) == 5.5
     assert sync_step_seconds(dataclasses.replace(inside, advantage=6)) == 11.5
+    # A reference task of its own waits for the gate too: sync 4.5 + (0.5 + 1) + 3 + 0.5 + 0.5 = 10.
+    assert sync_step_seconds(dataclasses.replace(inside, reference_in_train=False)) == 10
     fused = dataclasses.replace(host, reference_in_train=True, proximal=0.0)
     assert async_step_seconds(fused, 1) == max(4, 1 + 3 + 0.5, (4 + 1 + 1 + 3 + 1) / 2)
 

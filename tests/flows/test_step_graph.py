@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow
 ITERATIONS = 3
 SEPARATE = ["train.reference_pass=separate", "reward.in_rollout=false"]
 INSIDE = ["train.reference_pass=fused", "reward.in_rollout=true"]
+SCORED = ["train.reference_pass=separate", "reward.in_rollout=true"]  # the reference task after the scoring gate
 
 
 def _config(runs_dir: Path, name: str, graph: list[str]):
@@ -32,16 +33,17 @@ def _config(runs_dir: Path, name: str, graph: list[str]):
 
 
 @pytest.fixture(scope="module")
-def two_graphs(tmp_path_factory):
-    """(separate stages' run folder and metrics, inside-others' run folder and metrics), on one
-    cluster of the tiny config's layout: two engines colocated with the two training ranks."""
+def graphs(tmp_path_factory):
+    """(run folder, metrics) of the separate stages, of both stages inside others, and of the
+    scoring alone inside the rollout, on one cluster of the tiny config's layout: two engines
+    colocated with the two training ranks."""
     runs_dir = tmp_path_factory.mktemp("graphs")
     separate = _config(runs_dir, "separate", SEPARATE)
     client, cluster = start_cluster(separate)
     try:
         shared = replace(separate.cluster, scheduler_address=cluster.scheduler_address)
         out = []
-        for name, graph in (("separate", SEPARATE), ("inside", INSIDE)):
+        for name, graph in (("separate", SEPARATE), ("inside", INSIDE), ("scored", SCORED)):
             cfg = replace(_config(runs_dir, name, graph), cluster=shared)
             out.append((Path(run_folder(cfg).root), run(cfg, progress=False).metrics))
         yield out
@@ -50,13 +52,26 @@ def two_graphs(tmp_path_factory):
         cluster.close()
 
 
-def test_stages_inside_others_give_the_separate_stages_run(two_graphs):
-    (separate, _), (inside, _) = two_graphs
+def test_stages_inside_others_give_the_separate_stages_run(graphs):
+    (separate, _), (inside, _), (scored, _) = graphs
     assert_same_runs(separate, inside, ITERATIONS, ITERATIONS + 1)
+    assert_same_runs(separate, scored, ITERATIONS, ITERATIONS + 1)
 
 
-def test_the_stages_inside_others_are_marked_and_measured(two_graphs):
-    (_, separate), (inside_dir, inside) = two_graphs
+def test_no_stage_is_marked_before_the_scores_it_follows(graphs):
+    """The scoring gate runs beside the passes after it; every later mark still comes after its
+    marks (rollout, reward, advantage), so a resumed step never keeps a pass over rows it then
+    generates again."""
+    for run_dir, _ in graphs[1:]:
+        store = RolloutStore(run_dir / "rollouts.zarr")
+        for step in range(ITERATIONS):
+            marks = store.attrs(step)["complete"]
+            assert marks[:3] == ["rollout", "reward", "advantage"], (run_dir.name, step, marks)
+            assert marks.index("reference") < marks.index("train") < marks.index("publish"), (run_dir.name, marks)
+
+
+def test_the_stages_inside_others_are_marked_and_measured(graphs):
+    (_, separate), (inside_dir, inside), _ = graphs
     store = RolloutStore(inside_dir / "rollouts.zarr")
     for step in range(ITERATIONS):
         attrs = store.attrs(step)

@@ -51,6 +51,9 @@ def _config(runs_dir: str, name: str, placement: str, s: int, threads: int, args
         f"cluster.train_threads={threads}", "train.pipeline_model_parallel_size=1",
         f"task.prompts_per_step={args.prompts}", f"rollout.max_new_tokens={args.max_new_tokens}",
         f"train.micro_batch_size={args.prompts * 8 // 4}", "reward.num_tasks=1", "rollout.num_engines=1",
+        # The graph of docs/performance.md's figures: a stage a task (the overrides may change it;
+        # the planner's terms follow the config).
+        "reward.in_rollout=false", "train.reference_pass=separate",
         *(() if args.warmed else ("warmup.steps=0",)), *args.overrides])
 
 

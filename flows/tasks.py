@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Callable
 
 import dask.array as da
@@ -43,7 +44,7 @@ __all__ = [
 _TRAIN_RANKS: dict[str, TrainRank] = {}
 _ROLLOUT_MODELS: dict[str, tuple[str, torch.nn.Module, TextCodec]] = {}
 _ROLLOUT_VERSIONS: dict[str, int] = {}  # engine -> the policy version its model holds (the version tag)
-_CODECS: dict[tuple[str, bool], TextCodec] = {}  # (run, chat template) -> codec
+_CODECS: dict[tuple[str, bool], TextCodec] = {}  # (the run's policy folder, chat template) -> codec
 _SOURCES: dict[str, PromptSource] = {}
 
 
@@ -101,9 +102,11 @@ def worker_ready() -> bool:
 
 
 def _codec(cfg: GRPOConfig, policy_path: str) -> TextCodec:
-    """The run's text codec, from the first policy folder asked for: every version of a run carries
-    the same tokenizer, so a codec per version would only load it again each step."""
-    key = (cfg.run_name, cfg.dataset.chat_template)
+    """The run's text codec, from the first version asked for: every version in a run's policy
+    folder carries the same tokenizer, so a codec per version would only load it again each step
+    (keyed by the folder, not the run name: two runs of one name in other run folders may hold
+    other tokenizers)."""
+    key = (str(Path(policy_path).parent), cfg.dataset.chat_template)
     if key not in _CODECS:
         _CODECS[key] = TextCodec.from_policy_folder(policy_path, cfg.dataset.chat_template)
     return _CODECS[key]
@@ -112,7 +115,8 @@ def _codec(cfg: GRPOConfig, policy_path: str) -> TextCodec:
 def _records(cfg: GRPOConfig, policy_path: str, step: int, first: int, stop: int) -> list[PromptRecord]:
     """Prompts [first, stop) of the step. The source tokenises its data once per worker, with the
     policy's tokenizer (the same in every version of a run)."""
-    key = config_hash({"run": cfg.run_name, "dataset": cfg.dataset, "prompts_per_step": cfg.task.prompts_per_step})
+    key = config_hash({"policies": str(Path(policy_path).parent), "dataset": cfg.dataset,
+                       "prompts_per_step": cfg.task.prompts_per_step})
     if key not in _SOURCES:
         _SOURCES[key] = open_prompt_source(cfg.dataset, _codec(cfg, policy_path), cfg.task.prompts_per_step)
     return _SOURCES[key].records(step)[first:stop]

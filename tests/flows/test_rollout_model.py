@@ -69,3 +69,18 @@ def test_a_version_from_disk_loads_into_the_held_model_of_its_architecture(engin
         3, wide.to_hf(), make_tokenizer_json(), hf_state(make_model(wide, seed=3)))
     third, _, _ = tasks._rollout_model(cfg, key, ref3)
     assert third is not second and third.cfg == wide
+
+
+def test_a_codec_is_loaded_once_per_run_folder(tmp_path, monkeypatch):
+    """The engines' and scorers' text codec is read once per run's policy folder, not per version,
+    and never shared by two run folders, even under one run name (their tokenizers may differ)."""
+    loads = []
+    monkeypatch.setattr(tasks.TextCodec, "from_policy_folder",
+                        classmethod(lambda cls, path, chat: loads.append(path) or object()))
+    monkeypatch.setattr(tasks, "_CODECS", {})
+    cfg = load_config("configs/tiny.yaml", [f"runs_dir={tmp_path}"])
+    a, b = tmp_path / "a" / "tiny" / "policy", tmp_path / "b" / "tiny" / "policy"
+    first = tasks._codec(cfg, str(a / "v0"))
+    assert tasks._codec(cfg, str(a / "v7")) is first  # a later version of the same run
+    assert tasks._codec(cfg, str(b / "v0")) is not first  # the same run name in another runs_dir
+    assert loads == [str(a / "v0"), str(b / "v0")]

@@ -86,8 +86,9 @@ def simulate(durations: list[StepDurations], max_staleness: int, colocated: bool
     the training-rank tasks share one queue. The proximal stage runs only when s >= 1.
     reward_in_rollout (reward.in_rollout): the engine's task scores its rows after its generation,
     and the advantage stage (the gate marking the scores) runs beside the fused train task, while
-    a reference or proximal task waits for it, and publish always does; reference_in_train (train.reference_pass = fused): the train task runs the reference
-    pass, once the advantages are in, before its step."""
+    a reference or proximal task waits for it, and publish always does. reference_in_train
+    (train.reference_pass = fused): the train task runs the reference pass, once the advantages
+    are in, before its step."""
     s = max_staleness
     events: list[StepEvents] = []
     rollout_free = train_free = 0.0

@@ -50,7 +50,7 @@ from storage.lineage import Lineage, StepRun
 from storage.plots import save_run_plots
 from storage.policies import PolicyRef
 from storage.run_folder import RunFolder
-from storage.samples import load_sample_table, step_array_specs
+from storage.samples import load_sample_table
 
 __all__ = ["RunSummary", "run", "run_folder", "tracking_uri", "format_summary", "remaining_steps", "fresh_run"]
 
@@ -338,7 +338,7 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
                                       max(cfg.mlflow.sample_groups, 1))
             tags = child.log_samples(table, set_tag=False) if cfg.mlflow.sample_groups else {}
             child.log_artifact(trace_path, "timelines")
-            child.log_rollouts(store.ref(step).path, store.digest(step), step_array_specs(folder.rollouts, step))
+            child.log_rollouts(store.ref(step).path, store.digest(step), store.array_specs(step))
             child.log_metrics(result.metrics, tags={**tags, **child.policy_tags(
                 result.policy.version, result.policy.path, result.policy.sha256)})
         if plot_rows is not None:  # refresh the plots

@@ -14,10 +14,10 @@ seconds per step minus its critical path):
 Where the graph runs a stage inside another's tasks the terms move: with reward.in_rollout the
 engine's task scores and normalises (R + W, W the reward stage alone), and the advantage stage A is
 the gate that sums up and marks the scores: the fused train task runs beside it (publish waits for
-it: max(A, F + T) where F + T stood), a reference or proximal task after it (A + F + P), with
-train.reference_pass = fused
-the train task runs F after the advantages are in (max(W, P) + F where max(W, F + P) stood), and
-the training chain loses the reference task's hand-off (one H a step, two with a proximal pass).
+it: max(A, F + T) where F + T stood), a reference or proximal task after it (A + F + P). With
+train.reference_pass = fused the train task runs F after the advantages are in (max(W, P) + F
+where max(W, F + P) stood), and the training chain loses the reference task's hand-off (one H a
+step, two with a proximal pass).
 
 Decoupled, the engine and the ranks each run their own chain; a step's rollout also waits for the
 publish of step k - s - 1, a cycle through s + 1 steps, hence the third term. Colocated, one worker

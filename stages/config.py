@@ -170,8 +170,9 @@ class RewardConfig:
     """Parallel scoring tasks per step; each scores whole groups."""
     in_rollout: bool = False
     """Score inside the rollout tasks instead: each engine scores the groups it generated, writes
-    their rewards and advantages with the rows and hands the step straight to the reference and
-    train stages (num_tasks is not used). The reward process then runs beside each engine. Off: the
+    their rewards and advantages with the rows and hands the step straight to the train tasks,
+    while a gate sums up and marks the scores beside them (a reference task of its own waits for
+    that gate; num_tasks is not used). The reward process then runs beside each engine. Off: the
     scoring tasks run on the plain workers, beside the reference pass (docs/performance.md)."""
     timeout_s: float = 5.0
     """Wall-clock limit for one sample's rewards; past it the scoring process is killed and the

@@ -1,4 +1,5 @@
-"""Views of a stored step for people: its array schema and a table of decoded samples."""
+"""Views of a stored step for people: a table of decoded samples (the array schema is
+RolloutStore.array_specs)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,9 @@ from typing import Callable
 
 from storage.rollouts import RolloutStore
 
-__all__ = ["SAMPLE_COLUMNS", "step_array_specs", "load_sample_table"]
+__all__ = ["SAMPLE_COLUMNS", "load_sample_table"]
 
 SAMPLE_COLUMNS = ("id", "prompt", "completion", "reward", "advantage", "policy_version")
-
-
-def step_array_specs(rollouts_root: str | Path, step: int) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """``{name: (dtype, shape)}`` of the step's arrays, as stored (sample axis first)."""
-    return RolloutStore(rollouts_root).array_specs(step)
 
 
 def load_sample_table(rollouts_root: str | Path, step: int, decode: Callable[[list[int]], str],

@@ -85,8 +85,7 @@ def test_a_resumed_memory_sync_run_equals_the_uninterrupted_one(two_paths):
     loop_dir, _, _, resumed_dir, resumed = two_paths
     _same_run(loop_dir, resumed_dir)
     # The resumed process built its ranks from v2 and opened a new channel: step 2 read v2 from disk.
-    n = ENGINES
-    assert (resumed.metrics[2]["weight_loads_from_memory"], resumed.metrics[2]["weight_loads_from_disk"]) == (0, n)
+    assert (resumed.metrics[2]["weight_loads_from_memory"], resumed.metrics[2]["weight_loads_from_disk"]) == (0, ENGINES)
 
 
 def test_the_engine_generated_from_the_weights_it_received(two_paths):
@@ -112,9 +111,10 @@ def test_the_engine_generated_from_the_weights_it_received(two_paths):
 
 
 def test_the_output_rank_marks_the_reference_stage_itself(two_paths):
-    """No gate task between the reference pass and the training step: the task of the rank that
-    writes ref_logp marks the stage, so the mark holds that one task's measurements (a gate after
-    both ranks' tasks stored two), before the training tasks start."""
+    """No gate task marks the reference stage: the rank that writes ref_logp does (its own task,
+    train.reference_pass=separate; with fused, as here, publish marks it from that rank's train
+    result), so the mark holds that one rank's measurements (a gate after both ranks' tasks stored
+    two), before train's mark."""
     loop_dir, *_ = two_paths
     from storage.rollouts import RolloutStore
 
@@ -123,7 +123,7 @@ def test_the_output_rank_marks_the_reference_stage_itself(two_paths):
         attrs = store.attrs(step)
         marks = attrs["complete"]
         assert set(marks) == {"rollout", "reward", "reference", "advantage", "train", "publish", "lineage"}
-        assert marks.index("reference") < marks.index("train")  # the training tasks waited on the mark
+        assert marks.index("reference") < marks.index("train")
         (only,) = attrs["results_reference"]
         assert only["reference_seconds"] > 0
 

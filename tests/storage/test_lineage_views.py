@@ -15,7 +15,7 @@ from stages.policy.tokenizer import TextCodec
 from stages.tasks.addition import make_tokenizer_json
 from storage.plots import PLOT_FILES, save_run_plots
 from storage.rollouts import ARRAYS, RolloutStore, StepLayout
-from storage.samples import SAMPLE_COLUMNS, load_sample_table, step_array_specs
+from storage.samples import SAMPLE_COLUMNS, load_sample_table
 from storage.run_folder import RunFolder
 from storage.summary import to_strict_json
 
@@ -81,7 +81,7 @@ def test_sample_table_decodes_the_first_groups(tmp_path):
 def test_array_specs_follow_the_store(tmp_path):
     tokenizer_json = make_tokenizer_json()
     store = _store_with_one_step(tmp_path, TextCodec.from_json(tokenizer_json))
-    specs = step_array_specs(store.root, 4)
+    specs = store.array_specs(4)
     assert set(specs) == set(ARRAYS)
     assert specs["tokens"] == ("int32", (6, 4)) and specs["prompt_ids"] == ("int32", (6, 6))
     assert specs["reward"] == ("float32", (6,)) and specs["reward_failed"] == ("bool", (6,))

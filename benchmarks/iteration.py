@@ -79,8 +79,21 @@ def _passes(batch):
     return getattr(batch, "passes", (batch,))
 
 
-def baseline_iterations(cfg: GRPOConfig, policy_path: str) -> list[dict[str, float]]:
-    """The same iterations in this process, plain (see the module docstring); per-step seconds."""
+def _sync(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a CUDA step returns before its kernels finish)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _to(pass_, device: torch.device):
+    """One pass's input ids, stage kwargs and loss targets on ``device``."""
+    return (pass_.input_ids.to(device), {k: v.to(device) for k, v in pass_.stage_kwargs().items()},
+            pass_.target.to(device))
+
+
+def baseline_iterations(cfg: GRPOConfig, policy_path: str, device: str = "cpu") -> list[dict[str, float]]:
+    """The same iterations in this process, plain (see the module docstring); per-step seconds.
+    ``device``: where the loop's models compute, in float32 (the engine generates where they are)."""
     # Every core the process has, by grpoflow's own rule for one busy engine (1 on an oversubscribed
     # host, where more intra-op threads only wait on each other: docs/performance.md). The loop is
     # one synchronous process whatever rollout.max_staleness, rollout.num_engines or
@@ -95,6 +108,9 @@ def baseline_iterations(cfg: GRPOConfig, policy_path: str) -> list[dict[str, flo
     load_hf_state(policy, tensors)
     load_hf_state(reference, tensors)
     reference.requires_grad_(False).eval()
+    dev = torch.device(device)
+    policy.to(dev)
+    reference.to(dev)
     codec = TextCodec.from_policy_folder(policy_path, cfg.dataset.chat_template)
     source = open_prompt_source(cfg.dataset, codec, cfg.task.prompts_per_step)
     t, G = cfg.train, cfg.rollout.group_size
@@ -118,18 +134,22 @@ def baseline_iterations(cfg: GRPOConfig, policy_path: str) -> list[dict[str, flo
         t2 = time.perf_counter()
         batch = build_global_batch(a, t.loss_aggregation, pad, layout)
         with torch.no_grad():
-            ref = [token_logp(reference(p.input_ids, **p.stage_kwargs()), p.target[..., _NEXT].long(),
-                              loss_cfg.temperature) for p in _passes(batch)]
+            ref = []
+            for p in _passes(batch):
+                ids, kwargs, target = _to(p, dev)
+                ref.append(token_logp(reference(ids, **kwargs), target[..., _NEXT].long(), loss_cfg.temperature).cpu())
         a["ref_logp"] = batch.completion_values(ref if isinstance(batch, BucketedBatch) else ref[0])
         t3 = time.perf_counter()
         batch = build_global_batch(a, t.loss_aggregation, pad, layout)
         policy.train()
         optimizer.zero_grad(set_to_none=True)
         for p in _passes(batch):  # every loss weight is global: the passes' gradients add up exactly
-            loss, _ = grpo_microbatch_loss(policy(p.input_ids, **p.stage_kwargs()), p.target, loss_cfg)
+            ids, kwargs, target = _to(p, dev)
+            loss, _ = grpo_microbatch_loss(policy(ids, **kwargs), target, loss_cfg)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), t.max_grad_norm)
         optimizer.step()
+        _sync(dev)
         t4 = time.perf_counter()
         out.append({"iteration_seconds": t4 - t0, "rollout_seconds": t1 - t0,
                     "rollout_compute_seconds": rows.metrics["rollout_seconds"], "reward_advantage_seconds": t2 - t1,
@@ -163,6 +183,8 @@ def main() -> None:
     p.add_argument("--runs-dir", default=None, help="default: a temporary folder (the base-policy cache is kept "
                    "there across repetitions)")
     p.add_argument("--json", default=None, help="also write the raw per-rep numbers here")
+    p.add_argument("--device", default="cpu", help="the loop's device (cpu, cuda); for a like-for-like CUDA "
+                   "comparison give grpoflow train.device=cuda rollout.dtype=float32 (the loop computes in float32)")
     p.add_argument("overrides", nargs="*", help="key=value on top of the scenario")
     args = p.parse_args()
     runs_dir = args.runs_dir or tempfile.mkdtemp(prefix="iteration-bench-")
@@ -178,7 +200,7 @@ def main() -> None:
             else:
                 # Policy v0 of a grpoflow run folder: the same base model (written by the first run).
                 base = scenario_config(args.scenario, runs_dir, f"{args.scenario}-0", args.iterations, args.overrides)
-                steps = baseline_iterations(cfg, str(run_folder(base).policy_store().version_path(0)))
+                steps = baseline_iterations(cfg, str(run_folder(base).policy_store().version_path(0)), args.device)
                 row["base"] = {k: _median_after_first(steps, k) for k in _BASE_KEYS}
         row["ratio"] = {"flow_over_base": row["flow"]["step_window_seconds"] / row["base"]["iteration_seconds"]}
         reps.append(row)

@@ -14,7 +14,8 @@
 #      against the host's), without loading tests/conftest.py as a plugin (its fixtures need the flows);
 #   2. decode tokens/s of the engine against transformers' generate (sampling, with the scores a
 #      rollout needs), bfloat16, at 16 and 128 prompts x G 8, skewed and fixed lengths, and the
-#      decode matmul rate (benchmarks/rollout.py);
+#      decode matmul rate (benchmarks/rollout.py); the engine holds every row at once, as generate
+#      does (--max-num-seqs 0; its default of 256 live sequences would run 128 x 8 rows in 4 waves);
 #   3. one training rank's step on the GPU, float32 and bfloat16 autocast, beside the CPU
 #      (benchmarks/gpu_train_step.py: the tiny config's and the bench shape's step);
 #   4. speculative decoding, k = 2 and 4, at 16 prompts;
@@ -56,8 +57,10 @@ PY=${PY:-python3}
   timeout 100 "$PY" -m pytest -q --noconftest -p no:cacheprovider -rs \
     tests/stages/test_rollout_placement.py tests/stages/test_rollout_engine.py tests/stages/test_train_placement.py
   echo "== 2. decode: engine vs transformers, bfloat16"
-  timeout 70 "$PY" benchmarks/rollout.py --device cuda --dtype bfloat16 --reps 3 --only skewed --prompts 16 --prompts 128
-  timeout 60 "$PY" benchmarks/rollout.py --device cuda --dtype bfloat16 --reps 2 --only fixed --prompts 16 --prompts 128
+  timeout 70 "$PY" benchmarks/rollout.py --device cuda --dtype bfloat16 --max-num-seqs 0 --reps 3 --only skewed \
+    --prompts 16 --prompts 128
+  timeout 60 "$PY" benchmarks/rollout.py --device cuda --dtype bfloat16 --max-num-seqs 0 --reps 2 --only fixed \
+    --prompts 16 --prompts 128
   echo "== 3. one training rank's step: GPU and CPU"
   timeout 70 "$PY" benchmarks/gpu_train_step.py --reps 5
   echo "== 4. speculative decoding"

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from stages.policy import DecoderConfig, build_stage, to_hf_name
-from stages.rollout import SamplingParams, generate
+from stages.rollout import EngineConfig, SamplingParams, generate
 from stages.rollout import engine as engine_module
 from stages.rollout.paged_kv import PagedKVCache
 from stages.rollout.engine import engine_placement
@@ -50,6 +50,12 @@ _CFG = DecoderConfig(vocab_size=2560, hidden_size=512, intermediate_size=1024, n
                      num_attention_heads=8, num_key_value_heads=8, head_dim=64, eos_token_id=1, pad_token_id=0)
 _PROMPTS, _G, _MAX_NEW = 16, 8, 64
 _DEVICE, _DTYPE = torch.device("cpu"), torch.float32  # main() sets them from --device / --dtype
+_MAX_NUM_SEQS = EngineConfig.max_num_seqs  # main() sets it from --max-num-seqs (0: every row of the batch)
+
+
+def _engine(prompts, group_size: int = _G) -> EngineConfig:
+    """The engine's limits for one batch: ``--max-num-seqs`` live sequences (0: all of its rows)."""
+    return EngineConfig(max_num_seqs=_MAX_NUM_SEQS or len(prompts) * group_size)
 _EOS = 1
 _EOS_LOGIT = 4.4  # vs 2,559 near-uniform logits (std ~0.45): p(EOS) ~ 3% a token, most completions far below 64
 
@@ -180,7 +186,7 @@ def _gather_attention():
 
 def gather_generate(model, prompts, params: SamplingParams, gen: torch.Generator) -> np.ndarray:
     with _gather_attention():
-        return generate(model, prompts, params, gen).length
+        return generate(model, prompts, params, gen, _engine(prompts)).length
 
 
 # -- transformers ---------------------------------------------------------------------------------------
@@ -268,11 +274,12 @@ def _compare(model, hf, prompts, name: str, stop: tuple[int, ...], reps: int) ->
     unit = "s" if _on_gpu() else "cpu-s"
     best: dict[str, tuple[float, float, np.ndarray]] = {}
     if _on_gpu():  # cuBLAS handles, lazily loaded kernels: once, untimed
-        generate(model, prompts, params, torch.Generator().manual_seed(0))
+        generate(model, prompts, params, torch.Generator().manual_seed(0), _engine(prompts))
         if hf is not None:
             hf_generate(hf, prompts, params, 0)
     for rep in range(reps):
-        runs = {"paged": lambda: generate(model, prompts, params, torch.Generator().manual_seed(rep)).length}
+        runs = {"paged": lambda: generate(model, prompts, params, torch.Generator().manual_seed(rep),
+                                          _engine(prompts)).length}
         if not _on_gpu():  # the earlier engines, kept for the CPU comparison only
             runs["gather"] = lambda: gather_generate(model, prompts, params, torch.Generator().manual_seed(rep))
             runs["static"] = lambda: static_generate(model, prompts, params, torch.Generator().manual_seed(rep))
@@ -309,12 +316,15 @@ def _speculative(model, prompts, rows: int) -> None:
     draft = draft_from_target(model, 2)
     clock, unit = (0, "wall") if _on_gpu() else (1, "cpu")
     if _on_gpu():  # warm-up, untimed: the first calls pay for kernel loading
-        generate(model, prompts, params, torch.Generator().manual_seed(0))
-        generate_speculative(model, draft, prompts, params, torch.Generator().manual_seed(0), 2)
-    plain = _timed(lambda: generate(model, prompts, params, torch.Generator().manual_seed(0)))[clock]
+        generate(model, prompts, params, torch.Generator().manual_seed(0), _engine(prompts, G))
+        generate_speculative(model, draft, prompts, params, torch.Generator().manual_seed(0), 2,
+                             engine=_engine(prompts, G))
+    plain = _timed(lambda: generate(model, prompts, params, torch.Generator().manual_seed(0),
+                                    _engine(prompts, G)))[clock]
     print(f"\n[speculative, {len(prompts) * G} rows x {_MAX_NEW} tokens, draft = 2 of 8 layers] plain {unit} {plain:.2f} s")
     for k in (2, 4):
-        timed = _timed(lambda: generate_speculative(model, draft, prompts, params, torch.Generator().manual_seed(0), k))
+        timed = _timed(lambda: generate_speculative(model, draft, prompts, params, torch.Generator().manual_seed(0), k,
+                                                    engine=_engine(prompts, G)))
         t, st = timed[clock], timed[2][1]
         a = st.acceptance
         print(f"  k={k}: {unit} {t:.2f} s, acceptance {a:.2f}, tokens per target forward {st.tokens_per_verify:.2f} "
@@ -322,6 +332,7 @@ def _speculative(model, prompts, rows: int) -> None:
 
 
 def main() -> None:
+    global _DEVICE, _DTYPE, _MAX_NUM_SEQS
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=1)
@@ -331,15 +342,19 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (bfloat16 on CUDA)")
     ap.add_argument("--prompts", type=int, action="append",
                     help=f"prompts per batch (G {_G} rows each), repeatable; default {_PROMPTS}")
+    ap.add_argument("--max-num-seqs", type=int, default=_MAX_NUM_SEQS,
+                    help="live sequences the engine holds (rollout.max_num_seqs; default the engine's); 0: every row "
+                         "of the batch at once, as transformers' generate runs it")
     args = ap.parse_args()
-    global _DEVICE, _DTYPE
+    _MAX_NUM_SEQS = args.max_num_seqs
     _DEVICE, _DTYPE = engine_placement(args.device, args.dtype)
     torch.set_num_threads(args.threads)
     model = make_model().to(device=_DEVICE, dtype=_DTYPE)
     hf = None if args.no_hf else hf_model(model)
     params_n = sum(p.numel() for p in model.parameters())
     where = torch.cuda.get_device_name(_DEVICE) if _on_gpu() else f"cpu, threads {args.threads}"
-    print(f"model {params_n / 1e6:.1f}M params, G {_G}, <= {_MAX_NEW} new, {where}, {_DTYPE}, torch {torch.__version__}")
+    print(f"model {params_n / 1e6:.1f}M params, G {_G}, <= {_MAX_NEW} new, {where}, {_DTYPE}, torch {torch.__version__}, "
+          f"engine max_num_seqs {_MAX_NUM_SEQS or 'all rows'}")
     for num in args.prompts or [_PROMPTS]:
         prompts = make_prompts(num=num)
         if args.only in (None, "skewed"):

@@ -16,6 +16,9 @@ daemonic and may not start :mod:`multiprocessing` children) and kept between cal
 * **data**: the child receives only the prompt text, completion text and the record's fields, runs
   in an empty temporary folder, and is never told the run folder or the store's path. This limits
   accidents, not attacks: it is not a security sandbox.
+* **clean-up**: the parent removes the folder when it closes the child; a parent that is killed
+  (a worker lost to SIGKILL runs no clean-up) closes the child's stdin, and the child removes the
+  folder itself before it exits.
 
 Messages are length-prefixed pickles over the child's stdin and a duplicate of its stdout; fd 1 of
 the child is pointed at stderr, so a reward that prints does not corrupt the channel.
@@ -27,6 +30,7 @@ import atexit
 import os
 import pickle
 import select
+import shutil
 import struct
 import subprocess
 import sys
@@ -96,7 +100,7 @@ class RewardProcess:
         self.proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      cwd=self._tmp.name, env=env, bufsize=0, close_fds=True)
         try:
-            _write_frame(self.proc.stdin.fileno(), (functions, memory_limit_bytes))
+            _write_frame(self.proc.stdin.fileno(), (functions, memory_limit_bytes, self._tmp.name))
             kind, detail = _read_frame(self.proc.stdout.fileno(), time.monotonic() + startup_timeout_s)
         except TimeoutError:
             self.close()
@@ -179,7 +183,7 @@ def _child_main() -> None:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     sys.stdout = sys.stderr
-    functions, memory_limit_bytes = _read_frame(in_fd)
+    functions, memory_limit_bytes, folder = _read_frame(in_fd)
     if memory_limit_bytes is not None:
         resource.setrlimit(resource.RLIMIT_AS, (memory_limit_bytes, memory_limit_bytes))
     try:
@@ -188,18 +192,21 @@ def _child_main() -> None:
         _write_frame(out_fd, ("error", f"{type(exc).__name__}: {exc}"))
         return
     _write_frame(out_fd, ("ready", None))
-    while True:
-        try:
-            samples = _read_frame(in_fd)
-        except EOFError:
-            return
-        for prompt, completion, fields in samples:  # one answer per sample, as soon as it is scored
+    try:
+        while True:
             try:
-                total = 0.0
-                for fn, accepted in loaded:
-                    kwargs = fields if accepted is None else {k: v for k, v in fields.items() if k in accepted}
-                    total += float(fn(prompt=prompt, completion=completion, **kwargs))
-                reply: tuple[str, Any] = ("ok", total)
-            except BaseException as exc:  # MemoryError, SystemExit from user code: a failed sample
-                reply = ("error", f"{type(exc).__name__}: {str(exc)[:300]}")
-            _write_frame(out_fd, reply)
+                samples = _read_frame(in_fd)
+            except EOFError:
+                return
+            for prompt, completion, fields in samples:  # one answer per sample, as soon as it is scored
+                try:
+                    total = 0.0
+                    for fn, accepted in loaded:
+                        kwargs = fields if accepted is None else {k: v for k, v in fields.items() if k in accepted}
+                        total += float(fn(prompt=prompt, completion=completion, **kwargs))
+                    reply: tuple[str, Any] = ("ok", total)
+                except BaseException as exc:  # MemoryError, SystemExit from user code: a failed sample
+                    reply = ("error", f"{type(exc).__name__}: {str(exc)[:300]}")
+                _write_frame(out_fd, reply)
+    finally:  # stdin closed or the answer pipe broken: the parent is gone without its clean-up
+        shutil.rmtree(folder, ignore_errors=True)

@@ -158,3 +158,42 @@ def test_scoring_works_inside_a_daemonic_process():
         assert queue.get(timeout=60) == ([1.0, 0.0], [False, True])  # no fields: 1 + 0
     finally:
         proc.join(timeout=10)
+
+
+def _hold_reward_process(queue) -> None:
+    from stages.reward.isolated import reward_process
+
+    proc = reward_process((f"{HERE}:plain",), None, 60.0)
+    queue.put((proc._tmp.name, proc.proc.pid))
+    time.sleep(600)  # killed by the test
+
+
+def test_a_killed_parent_leaves_no_reward_folder():
+    """A worker lost to SIGKILL runs no clean-up: its reward process removes its own folder once
+    the parent's end of its stdin closes, and exits."""
+    import multiprocessing as mp
+    import signal
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    parent = ctx.Process(target=_hold_reward_process, args=(queue,), daemon=True)
+    parent.start()
+    folder, child = queue.get(timeout=60)
+    assert os.path.isdir(folder)
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.join(timeout=10)
+    deadline = time.monotonic() + 20
+    while (os.path.exists(folder) or _alive(child)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(folder), "the reward process left its folder behind"
+    assert not _alive(child), "the reward process outlived its parent"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A child of a killed parent is re-parented and reaped by init; a zombie counts as gone.
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().split(")")[-1].split()[0] != "Z"

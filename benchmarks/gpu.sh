@@ -2,9 +2,9 @@
 # The GPU checks, as one prepared script for a lent GPU machine (one H200; 15 minutes of device time
 # in all, a machine's start included). From the repository root, through the device tool:
 #
-#   run(command="bash benchmarks/gpu.sh", timeout_s=520, carry=[".whl"])
+#   run(command="bash benchmarks/gpu.sh", timeout_s=590, carry=[".whl"])
 #
-# (each step below has its own cap; they add up to 490 s). It uses that machine's own python3 (its
+# (each step below has its own cap; they add up to 570 s; on an H200 steps 1-5 took 239 s). It uses that machine's own python3 (its
 # CUDA PyTorch and transformers). Steps 1-4 need torch and the stages only; step 5 needs the flows'
 # packages (Dask, Zarr, MLflow, OmegaConf), which that machine lacks and cannot download: carry them
 # as wheels in .whl/ (ignored by git; `bash benchmarks/gpu.sh --download` fills it here, where PyPI
@@ -21,7 +21,8 @@
 #   4. speculative decoding, k = 2 and 4, at 16 prompts;
 #   5. whole tiny iterations on the GPU: benchmarks/iteration.py, grpoflow (PP 1: one GPU is one
 #      training rank; its engine on the same GPU) against the single-process loop on the same GPU,
-#      both float32.
+#      both float32; then the same with one microbatch of all 512 rows (train.micro_batch_size=512),
+#      the loop's own shape: on a GPU every microbatch costs its kernel launches whatever its size.
 # On the GPU the matmul reference of step 2 is the decode shapes' GEMMs one after another, launch-
 # bound at this model size: read its "% of matmul" as a bound on launch overhead, not a roofline.
 # Everything it prints also goes to $OUT/gpu.log (the device tool brings $OUT back).
@@ -73,6 +74,9 @@ PY=${PY:-python3}
   if "$PY" -c "import dask, distributed, zarr, mlflow, omegaconf"; then
     timeout 150 "$PY" benchmarks/iteration.py --scenario tiny --reps 2 --iterations 8 --device cuda \
       train.pipeline_model_parallel_size=1 rollout.num_engines=1 train.device=cuda rollout.dtype=float32
+    timeout 80 "$PY" benchmarks/iteration.py --scenario tiny --reps 1 --iterations 8 --device cuda \
+      train.pipeline_model_parallel_size=1 rollout.num_engines=1 train.device=cuda rollout.dtype=float32 \
+      train.micro_batch_size=512
   else
     echo "the flows' packages are not there (no .whl/ carried): step 5 cannot run"
   fi

@@ -26,6 +26,11 @@ every core.
 
     python benchmarks/iteration.py --scenario tiny --reps 3 --iterations 4
     python benchmarks/iteration.py --scenario bench --reps 2 --iterations 3
+
+On one GPU (benchmarks/gpu.sh): the loop there too, both in float32, grpoflow with one training rank:
+
+    python3 benchmarks/iteration.py --scenario tiny --device cuda train.pipeline_model_parallel_size=1 \
+        rollout.num_engines=1 train.device=cuda rollout.dtype=float32
 """
 
 from __future__ import annotations

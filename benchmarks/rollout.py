@@ -23,10 +23,12 @@ On the CPU the engines are compared by CPU seconds (what each used on a shared m
 ``--device cuda`` (``--dtype`` auto: bfloat16) only ``paged`` and ``hf`` run, both on the GPU in that
 dtype, timed by wall clock with the device synchronised, and the matmul reference is the same
 decode shapes on the GPU. ``--prompts`` scales the batch (16 is the CPU workload; a GPU needs more
-rows to fill).
+rows to fill). ``--max-num-seqs`` caps the engine's live sequences (rollout.max_num_seqs, 256 by
+default; 0: every row at once, as ``generate`` runs them): past the cap the engine admits the rest in
+later waves.
 
     .venv/bin/python benchmarks/rollout.py [--threads 1] [--reps 1] [--only skewed|fixed|speculative] [--no-hf]
-    python3 benchmarks/rollout.py --device cuda --reps 3 --prompts 16 --prompts 128   # on a GPU machine
+    python3 benchmarks/rollout.py --device cuda --max-num-seqs 0 --reps 3 --prompts 16 --prompts 128   # on a GPU
 """
 
 from __future__ import annotations
@@ -51,11 +53,6 @@ _CFG = DecoderConfig(vocab_size=2560, hidden_size=512, intermediate_size=1024, n
 _PROMPTS, _G, _MAX_NEW = 16, 8, 64
 _DEVICE, _DTYPE = torch.device("cpu"), torch.float32  # main() sets them from --device / --dtype
 _MAX_NUM_SEQS = EngineConfig.max_num_seqs  # main() sets it from --max-num-seqs (0: every row of the batch)
-
-
-def _engine(prompts, group_size: int = _G) -> EngineConfig:
-    """The engine's limits for one batch: ``--max-num-seqs`` live sequences (0: all of its rows)."""
-    return EngineConfig(max_num_seqs=_MAX_NUM_SEQS or len(prompts) * group_size)
 _EOS = 1
 _EOS_LOGIT = 4.4  # vs 2,559 near-uniform logits (std ~0.45): p(EOS) ~ 3% a token, most completions far below 64
 
@@ -77,6 +74,11 @@ def make_model(seed: int = 0) -> torch.nn.Module:
 def make_prompts(seed: int = 0, num: int = _PROMPTS) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(2, _CFG.vocab_size, rng.integers(16, 49)).tolist() for _ in range(num)]
+
+
+def _engine(prompts, group_size: int = _G) -> EngineConfig:
+    """The engine's limits for one batch: ``--max-num-seqs`` live sequences (0: all of its rows)."""
+    return EngineConfig(max_num_seqs=_MAX_NUM_SEQS or len(prompts) * group_size)
 
 
 def _on_gpu() -> bool:

@@ -128,7 +128,10 @@ class RolloutConfig:
     page_size: int = 16
     """Tokens per block of the paged KV cache (stages/rollout/paged_kv.py)."""
     max_num_seqs: int = 256
-    """Live sequences one decode step holds at most (continuous batching admits whole groups)."""
+    """Live sequences one decode step holds at most (continuous batching admits whole groups; the rest
+    wait for finished ones' slots). On a GPU a decode step costs about the same at any batch size, so
+    hold an engine's whole share there (prompts x G / num_engines): docs/performance.md, "Measured on
+    an H200"."""
     max_staleness: int = 0
     """s: step k generates from policy version max(0, k - s), so the rollout pool generates steps
     k+1 .. k+s while the training ranks train step k (flows/async_schedule.py). 0: the synchronous

@@ -8,9 +8,9 @@ with copies of its globals, and state kept there would vanish between tasks.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
-from pathlib import Path
 from typing import Callable
 
 import dask.array as da
@@ -23,7 +23,7 @@ from flows.schema import GRPOConfig, config_hash
 from stages.advantage import normalize_advantages
 from stages.data import PromptRecord, PromptSource, open_prompt_source
 from stages.policy import DecoderConfig, build_stage, load_hf_state
-from stages.policy.tokenizer import TextCodec
+from stages.policy.tokenizer import TextCodec, codec_files_digest, codec_files_stamp
 from stages.rollout.engine import engine_placement
 from stages.rollout.rows import generate_rows
 from stages.steps import reward_statistics, score_rows, tiny_base_policy, tiny_max_positions, train_setup
@@ -44,7 +44,7 @@ __all__ = [
 _TRAIN_RANKS: dict[str, TrainRank] = {}
 _ROLLOUT_MODELS: dict[str, tuple[str, torch.nn.Module, TextCodec]] = {}
 _ROLLOUT_VERSIONS: dict[str, int] = {}  # engine -> the policy version its model holds (the version tag)
-_CODECS: dict[tuple[str, bool], TextCodec] = {}  # (the run's policy folder, chat template) -> codec
+_CODECS: dict[tuple[str, bool], TextCodec] = {}  # (the codec files' digest, chat template) -> codec
 _SOURCES: dict[str, PromptSource] = {}
 
 
@@ -101,21 +101,32 @@ def worker_ready() -> bool:
     return True
 
 
+def _tokenizer_digest(policy_path: str) -> str:
+    """:func:`codec_files_digest` of a version folder; its files are read again only once their
+    stamp (inode, size, mtime) changes."""
+    return _digest_of(policy_path, codec_files_stamp(policy_path))
+
+
+@functools.lru_cache(maxsize=64)
+def _digest_of(policy_path: str, stamp: tuple) -> str:
+    return codec_files_digest(policy_path)
+
+
 def _codec(cfg: GRPOConfig, policy_path: str) -> TextCodec:
-    """The run's text codec, from the first version asked for: every version in a run's policy
-    folder carries the same tokenizer, so a codec per version would only load it again each step
-    (keyed by the folder, not the run name: two runs of one name in other run folders may hold
-    other tokenizers)."""
-    key = (str(Path(policy_path).parent), cfg.dataset.chat_template)
+    """The run's text codec, keyed by the bytes of the files it is read from: every version of a run
+    carries the same tokenizer, so it is parsed once per worker, not once per version, and a run
+    folder deleted and made again with another tokenizer (a notebook on a live cluster) gets a
+    codec of its own instead of the one cached under the same path."""
+    key = (_tokenizer_digest(policy_path), cfg.dataset.chat_template)
     if key not in _CODECS:
         _CODECS[key] = TextCodec.from_policy_folder(policy_path, cfg.dataset.chat_template)
     return _CODECS[key]
 
 
 def _records(cfg: GRPOConfig, policy_path: str, step: int, first: int, stop: int) -> list[PromptRecord]:
-    """Prompts [first, stop) of the step. The source tokenises its data once per worker, with the
-    policy's tokenizer (the same in every version of a run)."""
-    key = config_hash({"policies": str(Path(policy_path).parent), "dataset": cfg.dataset,
+    """Prompts [first, stop) of the step. The source tokenises its data once per worker and
+    tokenizer (the same in every version of a run)."""
+    key = config_hash({"tokenizer": _tokenizer_digest(policy_path), "dataset": cfg.dataset,
                        "prompts_per_step": cfg.task.prompts_per_step})
     if key not in _SOURCES:
         _SOURCES[key] = open_prompt_source(cfg.dataset, _codec(cfg, policy_path), cfg.task.prompts_per_step)

@@ -17,14 +17,45 @@ Two ways in:
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from tokenizers import Tokenizer
 
-__all__ = ["TextCodec", "TokenizerFolderError", "render_chat_template"]
+__all__ = ["CODEC_FILES", "TextCodec", "TokenizerFolderError", "codec_files_digest", "codec_files_stamp",
+           "render_chat_template"]
+
+CODEC_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+"""Every file of a policy folder that :meth:`TextCodec.from_policy_folder` may read."""
+
+
+def codec_files_stamp(path: str | Path) -> tuple:
+    """(inode, size, mtime) of each of :data:`CODEC_FILES` in ``path`` (None where absent): equal
+    stamps mean files not rewritten since, for a cache in front of :func:`codec_files_digest`."""
+    out = []
+    for name in CODEC_FILES:
+        try:
+            st = os.stat(Path(path) / name)
+        except FileNotFoundError:
+            out.append(None)
+            continue
+        out.append((st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
+def codec_files_digest(path: str | Path) -> str:
+    """A digest of the bytes of :data:`CODEC_FILES` in ``path`` (an absent file counts as absent):
+    two folders with equal digests give the same :class:`TextCodec`."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in CODEC_FILES:
+        f = Path(path) / name
+        data = f.read_bytes() if f.is_file() else None
+        h.update(name.encode() + (b"\0absent" if data is None else b"\0%d\0" % len(data) + data))
+    return h.hexdigest()
 
 
 class TokenizerFolderError(ValueError):

@@ -71,16 +71,34 @@ def test_a_version_from_disk_loads_into_the_held_model_of_its_architecture(engin
     assert third is not second and third.cfg == wide
 
 
-def test_a_codec_is_loaded_once_per_run_folder(tmp_path, monkeypatch):
-    """The engines' and scorers' text codec is read once per run's policy folder, not per version,
-    and never shared by two run folders, even under one run name (their tokenizers may differ)."""
+def _tokenizer_folder(path, text: str):
+    path.mkdir(parents=True)
+    (path / "tokenizer.json").write_text(text)
+    return str(path)
+
+
+def test_a_codec_is_loaded_once_per_tokenizer(tmp_path, monkeypatch):
+    """The engines' and scorers' text codec is read once per tokenizer, not per version: keyed by the
+    bytes of the files it is read from, so two run folders of one run name with other tokenizers,
+    or a run folder deleted and made again with another one under the same paths, never share it."""
     loads = []
     monkeypatch.setattr(tasks.TextCodec, "from_policy_folder",
                         classmethod(lambda cls, path, chat: loads.append(path) or object()))
     monkeypatch.setattr(tasks, "_CODECS", {})
     cfg = load_config("configs/tiny.yaml", [f"runs_dir={tmp_path}"])
     a, b = tmp_path / "a" / "tiny" / "policy", tmp_path / "b" / "tiny" / "policy"
-    first = tasks._codec(cfg, str(a / "v0"))
-    assert tasks._codec(cfg, str(a / "v7")) is first  # a later version of the same run
-    assert tasks._codec(cfg, str(b / "v0")) is not first  # the same run name in another runs_dir
-    assert loads == [str(a / "v0"), str(b / "v0")]
+    first = tasks._codec(cfg, _tokenizer_folder(a / "v0", "tokenizer one"))
+    assert tasks._codec(cfg, _tokenizer_folder(a / "v7", "tokenizer one")) is first  # a later version
+    other = tasks._codec(cfg, _tokenizer_folder(b / "v0", "tokenizer two"))  # the same run name elsewhere
+    assert other is not first
+    # The run folder made again with another tokenizer, the cluster (and this cache) still up.
+    for version in ("v0", "v7"):
+        (a / version / "tokenizer.json").unlink()
+        (a / version).rmdir()
+    again = tasks._codec(cfg, _tokenizer_folder(a / "v0", "tokenizer three"))
+    assert again is not first and again is not other
+    assert tasks._codec(cfg, str(a / "v0")) is again
+    # A side file the codec reads (tokenizer_config.json) counts too.
+    (a / "v0" / "tokenizer_config.json").write_text("{}")
+    assert tasks._codec(cfg, str(a / "v0")) is not again
+    assert loads == [str(a / "v0"), str(b / "v0"), str(a / "v0"), str(a / "v0")]

@@ -64,10 +64,13 @@ _STATELESS_RETRIES = 2  # Dask reruns of a reward / advantage / publish / gate t
 _LOST_GRACE_S = 3.0  # a rank's peers may report its death before the scheduler has noticed it
 
 
-def inside_stages(cfg: GRPOConfig) -> dict[str, str]:
-    """The stages ``cfg``'s graph runs inside another stage's tasks: {stage: host}."""
-    return {**({"reward": "rollout"} if cfg.reward.in_rollout else {}),
-            **({"reference": "train"} if cfg.train.reference_pass == "fused" else {})}
+def inside_stages(cfg: GRPOConfig, done: Collection[str] = ()) -> dict[str, str]:
+    """The stages ``cfg``'s graph runs inside another stage's tasks: {stage: host}. ``done``: the
+    stages a resumed step has complete; a pair one of whose stages is among them runs apart (the
+    other stage alone, or neither)."""
+    pairs = {**({"reward": "rollout"} if cfg.reward.in_rollout else {}),
+             **({"reference": "train"} if cfg.train.reference_pass == "fused" else {})}
+    return {stage: host for stage, host in pairs.items() if not {stage, host} & set(done)}
 
 
 def stage_inputs(through: Collection[str]) -> dict[str, tuple[str, ...]]:
@@ -246,7 +249,8 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
         return ()
 
     # reward.in_rollout: each engine scores the groups it generates (a range of whole groups).
-    scored_in_rollout = cfg.reward.in_rollout and not {"rollout", "reward"} & done
+    inside = inside_stages(cfg, done)
+    scored_in_rollout = "reward" in inside
     scored_gate: tuple[Future, ...] = ()  # the gate marking what the rollout tasks scored; publish waits on it
     if "rollout" in done:
         rollout = skip("rollout")
@@ -298,7 +302,7 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
                                            dict(key=f"advantage-{ref.step}-{tok}", **io))])
 
     # train.reference_pass = fused: the train tasks run the reference pass (tasks.train_task).
-    fused = cfg.train.reference_pass == "fused" and "reference" not in done and "train" not in done
+    fused = "reference" in inside
     if "reference" in done:
         reference = skip("reference")
     elif fused:

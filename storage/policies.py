@@ -43,7 +43,7 @@ _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.float16
 _MANIFEST = "grpoflow.json"
 # Files of a source HF folder a version carries over, so that a tokenizer (chat template, special
 # tokens) and generation defaults can be rebuilt from the version alone.
-_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
 
 
 class PolicyStoreError(RuntimeError):

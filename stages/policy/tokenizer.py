@@ -29,7 +29,8 @@ from tokenizers import Tokenizer
 __all__ = ["CODEC_FILES", "TextCodec", "TokenizerFolderError", "codec_files_digest", "codec_files_stamp",
            "render_chat_template"]
 
-CODEC_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+CODEC_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+               "chat_template.jinja")
 """Every file of a policy folder that :meth:`TextCodec.from_policy_folder` may read."""
 
 

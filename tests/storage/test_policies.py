@@ -223,3 +223,23 @@ def test_a_dropped_optimiser_file_is_written_over_in_place_by_the_next_state(tmp
     for v, s in ((4, state(4, rows=6)), (5, state(5))):
         assert all(torch.equal(store.load_optimizer_state(v, 0)[k], t) for k, t in s.items())
         store.verify(v)
+
+
+def test_a_version_carries_the_source_folders_tokenizer_files(tmp_path):
+    """A base model whose chat template is its own file (chat_template.jinja, as transformers saves
+    it) keeps it in every version: the engines' codec is read from the version folder."""
+    from stages.policy.tokenizer import TextCodec
+
+    source = tmp_path / "hf"
+    source.mkdir()
+    (source / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "bos_token": "<bos>"}))
+    template = "{% for m in messages %}<bos>{{ m['content'] }}{% endfor %}"
+    (source / "chat_template.jinja").write_text(template)
+    (source / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    cfg = make_cfg()
+    model = make_model(cfg)
+    ref = PolicyStore(tmp_path / "policy").save_policy(0, cfg.to_hf(), make_tokenizer_json(), hf_state(model),
+                                                       source=source)
+    for name in ("tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        assert (Path(ref.path) / name).read_text() == (source / name).read_text()
+    assert TextCodec.from_policy_folder(ref.path).chat_template == template

@@ -21,7 +21,7 @@ from distributed import get_worker
 from flows import weight_sync
 from flows.schema import GRPOConfig, config_hash
 from stages.advantage import normalize_advantages
-from stages.data import PromptRecord, PromptSource, open_prompt_source
+from stages.data import PromptRecord, PromptSource, dataset_stamp, open_prompt_source
 from stages.policy import DecoderConfig, build_stage, load_hf_state
 from stages.policy.tokenizer import TextCodec, codec_files_digest, codec_files_stamp
 from stages.rollout.engine import engine_placement
@@ -124,10 +124,11 @@ def _codec(cfg: GRPOConfig, policy_path: str) -> TextCodec:
 
 
 def _records(cfg: GRPOConfig, policy_path: str, step: int, first: int, stop: int) -> list[PromptRecord]:
-    """Prompts [first, stop) of the step. The source tokenises its data once per worker and
-    tokenizer (the same in every version of a run)."""
+    """Prompts [first, stop) of the step. The source tokenises its data once per worker, tokenizer
+    (the same in every version of a run) and state of the data's files (one edited between two runs
+    on a live cluster is read again)."""
     key = config_hash({"tokenizer": _tokenizer_digest(policy_path), "dataset": cfg.dataset,
-                       "prompts_per_step": cfg.task.prompts_per_step})
+                       "files": dataset_stamp(cfg.dataset), "prompts_per_step": cfg.task.prompts_per_step})
     if key not in _SOURCES:
         _SOURCES[key] = open_prompt_source(cfg.dataset, _codec(cfg, policy_path), cfg.task.prompts_per_step)
     return _SOURCES[key].records(step)[first:stop]

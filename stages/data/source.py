@@ -11,6 +11,7 @@ resumed or rerun step sees the same prompts. The addition source generates step 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional, Protocol
 
 import numpy as np
@@ -20,7 +21,7 @@ from stages.data.readers import RawRecord, read_records
 from stages.tasks.addition import answer_of, make_prompts
 
 __all__ = ["PromptCodec", "PromptRecord", "PromptSource", "FilePromptSource", "AdditionPromptSource",
-           "open_prompt_source"]
+           "dataset_stamp", "open_prompt_source"]
 
 
 class PromptCodec(Protocol):
@@ -62,6 +63,21 @@ class PromptSource(Protocol):
     """Steps the data allows (None: unlimited)."""
 
     def records(self, step: int) -> list[PromptRecord]: ...
+
+
+def dataset_stamp(cfg: DatasetConfig) -> tuple:
+    """(path, inode, size, mtime) of every file the configured data is read from (none for the
+    generated addition task): equal stamps mean data not rewritten since, so a cache of opened
+    sources can key on it and a file edited between two runs on one cluster is read again."""
+    if cfg.kind == "addition" or not cfg.path:
+        return ()
+    root = Path(cfg.path)
+    files = [root] if root.is_file() else sorted(f for f in root.rglob("*") if f.is_file())
+    out = []
+    for f in files:
+        st = f.stat()
+        out.append((str(f), st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(out)
 
 
 def open_prompt_source(cfg: DatasetConfig, codec: PromptCodec, prompts_per_step: int) -> PromptSource:

@@ -4,6 +4,7 @@ version whole instead of generating from half-copied weights."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from conftest import make_decoder_config, make_model
 from flows import tasks, weight_sync
 from flows.config import load_config
+from stages.data import DatasetConfig
 from stages.policy import hf_state
 from stages.tasks.addition import make_tokenizer_json
 from storage.policies import PolicyStore
@@ -102,3 +104,29 @@ def test_a_codec_is_loaded_once_per_tokenizer(tmp_path, monkeypatch):
     (a / "v0" / "tokenizer_config.json").write_text("{}")
     assert tasks._codec(cfg, str(a / "v0")) is not again
     assert loads == [str(a / "v0"), str(b / "v0"), str(a / "v0"), str(a / "v0")]
+
+
+def test_prompts_are_read_again_once_the_data_file_changes(tmp_path, monkeypatch):
+    """A worker opens the run's prompt source once and keeps it; a data file edited between two runs
+    on one live cluster (a notebook) is read again, not served from the source opened before."""
+    monkeypatch.setattr(tasks, "_CODECS", {})
+    monkeypatch.setattr(tasks, "_SOURCES", {})
+    policy = tmp_path / "policy" / "v0"
+    policy.mkdir(parents=True)
+    (policy / "tokenizer.json").write_text(make_tokenizer_json())
+    data = tmp_path / "data.jsonl"
+
+    def write(addend: int) -> None:
+        data.write_text("".join(json.dumps({"prompt": f"{i}+{addend}=", "answer": str(i + addend)}) + "\n"
+                                for i in range(4)))
+
+    write(1)
+    # What the rollout task reads of a run's config (a jsonl run needs an HF model folder besides).
+    cfg = SimpleNamespace(dataset=DatasetConfig(kind="jsonl", path=str(data), shuffle=False),
+                          task=SimpleNamespace(prompts_per_step=4))
+    first = [r.prompt for r in tasks._records(cfg, str(policy), 0, 0, 4)]
+    assert [r.prompt for r in tasks._records(cfg, str(policy), 1, 0, 4)] == first and len(tasks._SOURCES) == 1
+    write(2)
+    again = [r.prompt for r in tasks._records(cfg, str(policy), 0, 0, 4)]
+    assert sorted(again) == [f"{i}+2=" for i in range(4)] and sorted(first) == [f"{i}+1=" for i in range(4)]
+    assert len(tasks._SOURCES) == 2

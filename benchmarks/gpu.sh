@@ -2,9 +2,9 @@
 # The GPU checks, as one prepared script for a lent GPU machine (one H200; 15 minutes of device time
 # in all, a machine's start included). From the repository root, through the device tool:
 #
-#   run(command="bash benchmarks/gpu.sh", timeout_s=590, carry=[".whl"])
+#   run(command="bash benchmarks/gpu.sh", timeout_s=600, carry=[".whl"])
 #
-# (each step below has its own cap; they add up to 570 s; on an H200 steps 1-5 took 239 s). It uses that machine's own python3 (its
+# (each step below has its own cap; they add up to 600 s; on an H200 steps 1-5 took 239 s). It uses that machine's own python3 (its
 # CUDA PyTorch and transformers). Steps 1-4 need torch and the stages only; step 5 needs the flows'
 # packages (Dask, Zarr, MLflow, OmegaConf), which that machine lacks and cannot download: carry them
 # as wheels in .whl/ (ignored by git; `bash benchmarks/gpu.sh --download` fills it here, where PyPI
@@ -62,6 +62,8 @@ PY=${PY:-python3}
     --prompts 16 --prompts 128
   timeout 60 "$PY" benchmarks/rollout.py --device cuda --dtype bfloat16 --max-num-seqs 0 --reps 2 --only fixed \
     --prompts 16 --prompts 128
+  echo "-- the engine's default cap of 256 live sequences at 128 prompts x G 8 (4 waves), for comparison"
+  timeout 30 "$PY" benchmarks/rollout.py --device cuda --dtype bfloat16 --reps 1 --only fixed --no-hf --prompts 128
   echo "== 3. one training rank's step: GPU and CPU"
   timeout 70 "$PY" benchmarks/gpu_train_step.py --reps 5
   echo "== 4. speculative decoding"

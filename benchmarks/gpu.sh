@@ -4,11 +4,11 @@
 #
 #   run(command="bash benchmarks/gpu.sh", timeout_s=600, carry=[".whl"])
 #
-# (each step below has its own cap; they add up to 600 s; on an H200 steps 1-5 took 239 s). It uses that machine's own python3 (its
-# CUDA PyTorch and transformers). Steps 1-4 need torch and the stages only; step 5 needs the flows'
-# packages (Dask, Zarr, MLflow, OmegaConf), which that machine lacks and cannot download: carry them
-# as wheels in .whl/ (ignored by git; `bash benchmarks/gpu.sh --download` fills it here, where PyPI
-# is reachable), and the script installs them into /tmp/site there.
+# (each step below has its own cap; they add up to 600 s; on an H200 steps 1-5 took 239 s). It uses
+# that machine's own python3 (its CUDA PyTorch and transformers). Steps 1-4 need torch and the stages
+# only; steps 5 and 6 need the flows' packages (Dask, Zarr, MLflow, OmegaConf), which that machine
+# lacks and cannot download: carry them as wheels in .whl/ (ignored by git; `bash benchmarks/gpu.sh
+# --download` fills it here, where PyPI is reachable), and the script installs them into /tmp/site.
 #   1. the rollout engine's and the training rank's tests, the CUDA ones included
 #      (tests/stages/test_rollout_placement.py, test_train_placement.py: one rank's step on the GPU
 #      against the host's), without loading tests/conftest.py as a plugin (its fixtures need the flows);

@@ -6,7 +6,7 @@
 #
 # (each step below has its own cap; they add up to 600 s; on an H200 steps 1-5 took 239 s). It uses
 # that machine's own python3 (its CUDA PyTorch and transformers). Steps 1-4 need torch and the stages
-# only; steps 5 and 6 need the flows' packages (Dask, Zarr, MLflow, OmegaConf), which that machine
+# only; step 5 needs the flows' packages (Dask, Zarr, MLflow, OmegaConf), which that machine
 # lacks and cannot download: carry them as wheels in .whl/ (ignored by git; `bash benchmarks/gpu.sh
 # --download` fills it here, where PyPI is reachable), and the script installs them into /tmp/site.
 #   1. the rollout engine's and the training rank's tests, the CUDA ones included
@@ -15,7 +15,8 @@
 #   2. decode tokens/s of the engine against transformers' generate (sampling, with the scores a
 #      rollout needs), bfloat16, at 16 and 128 prompts x G 8, skewed and fixed lengths, and the
 #      decode matmul rate (benchmarks/rollout.py); the engine holds every row at once, as generate
-#      does (--max-num-seqs 0; its default of 256 live sequences would run 128 x 8 rows in 4 waves);
+#      does (--max-num-seqs 0), and once more at the default of 256 live sequences (128 x 8 rows in
+#      4 waves) for comparison;
 #   3. one training rank's step on the GPU, float32 and bfloat16 autocast, beside the CPU
 #      (benchmarks/gpu_train_step.py: the tiny config's and the bench shape's step);
 #   4. speculative decoding, k = 2 and 4, at 16 prompts;

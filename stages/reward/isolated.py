@@ -17,8 +17,9 @@ daemonic and may not start :mod:`multiprocessing` children) and kept between cal
   in an empty temporary folder, and is never told the run folder or the store's path. This limits
   accidents, not attacks: it is not a security sandbox.
 * **clean-up**: the parent removes the folder when it closes the child; a parent that is killed
-  (a worker lost to SIGKILL runs no clean-up) closes the child's stdin, and the child removes the
-  folder itself before it exits.
+  (a worker lost to SIGKILL, or one exiting with its driver, runs no clean-up) closes the child's
+  stdin, and the child removes the folder itself before it exits, also when that happens while it
+  is still starting.
 
 Messages are length-prefixed pickles over the child's stdin and a duplicate of its stdout; fd 1 of
 the child is pointed at stderr, so a reward that prints does not corrupt the channel.
@@ -41,6 +42,7 @@ from typing import Any, Optional
 __all__ = ["RewardProcess", "RewardProcessError", "SampleFailed", "close_reward_processes", "reward_process"]
 
 _HEADER = struct.Struct(">Q")
+_FOLDER_PREFIX = "grpoflow-reward-"  # the child's working folder, which it may remove itself
 _CHILD = "from stages.reward.isolated import _child_main; _child_main()"
 # Numeric libraries start a thread pool per core; each reserves address space that counts
 # against RLIMIT_AS, so the child keeps to one thread.
@@ -93,14 +95,14 @@ class RewardProcess:
 
     def __init__(self, functions: tuple[str, ...], memory_limit_bytes: Optional[int], startup_timeout_s: float):
         self.functions = functions
-        self._tmp = tempfile.TemporaryDirectory(prefix="grpoflow-reward-")
+        self._tmp = tempfile.TemporaryDirectory(prefix=_FOLDER_PREFIX)
         # The parent's import path, absolute, so the child imports the same modules from its own folder.
         path = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
         env = {**os.environ, **_THREAD_ENV, "PYTHONPATH": os.pathsep.join(path)}
         self.proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      cwd=self._tmp.name, env=env, bufsize=0, close_fds=True)
         try:
-            _write_frame(self.proc.stdin.fileno(), (functions, memory_limit_bytes, self._tmp.name))
+            _write_frame(self.proc.stdin.fileno(), (functions, memory_limit_bytes))
             kind, detail = _read_frame(self.proc.stdout.fileno(), time.monotonic() + startup_timeout_s)
         except TimeoutError:
             self.close()
@@ -173,7 +175,19 @@ def close_reward_processes() -> None:
 
 
 def _child_main() -> None:
-    """The child's loop: load the functions under the memory limit, then score until stdin closes."""
+    """The child's process: serve the parent (:func:`_serve`), then, however that ends short of a
+    SIGKILL (stdin closed or the answer pipe broken, start-up included: the parent died without its
+    clean-up), remove the working folder the parent started it in."""
+    folder = os.getcwd()
+    try:
+        _serve()
+    finally:
+        if os.path.basename(folder).startswith(_FOLDER_PREFIX):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _serve() -> None:
+    """Load the functions under the memory limit, then score until stdin closes."""
     import resource
 
     from stages.reward import accepted_fields, resolve_reward
@@ -183,7 +197,7 @@ def _child_main() -> None:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     sys.stdout = sys.stderr
-    functions, memory_limit_bytes, folder = _read_frame(in_fd)
+    functions, memory_limit_bytes = _read_frame(in_fd)
     if memory_limit_bytes is not None:
         resource.setrlimit(resource.RLIMIT_AS, (memory_limit_bytes, memory_limit_bytes))
     try:
@@ -192,21 +206,18 @@ def _child_main() -> None:
         _write_frame(out_fd, ("error", f"{type(exc).__name__}: {exc}"))
         return
     _write_frame(out_fd, ("ready", None))
-    try:
-        while True:
+    while True:
+        try:
+            samples = _read_frame(in_fd)
+        except EOFError:
+            return
+        for prompt, completion, fields in samples:  # one answer per sample, as soon as it is scored
             try:
-                samples = _read_frame(in_fd)
-            except EOFError:
-                return
-            for prompt, completion, fields in samples:  # one answer per sample, as soon as it is scored
-                try:
-                    total = 0.0
-                    for fn, accepted in loaded:
-                        kwargs = fields if accepted is None else {k: v for k, v in fields.items() if k in accepted}
-                        total += float(fn(prompt=prompt, completion=completion, **kwargs))
-                    reply: tuple[str, Any] = ("ok", total)
-                except BaseException as exc:  # MemoryError, SystemExit from user code: a failed sample
-                    reply = ("error", f"{type(exc).__name__}: {str(exc)[:300]}")
-                _write_frame(out_fd, reply)
-    finally:  # stdin closed or the answer pipe broken: the parent is gone without its clean-up
-        shutil.rmtree(folder, ignore_errors=True)
+                total = 0.0
+                for fn, accepted in loaded:
+                    kwargs = fields if accepted is None else {k: v for k, v in fields.items() if k in accepted}
+                    total += float(fn(prompt=prompt, completion=completion, **kwargs))
+                reply: tuple[str, Any] = ("ok", total)
+            except BaseException as exc:  # MemoryError, SystemExit from user code: a failed sample
+                reply = ("error", f"{type(exc).__name__}: {str(exc)[:300]}")
+            _write_frame(out_fd, reply)

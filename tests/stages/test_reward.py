@@ -197,3 +197,23 @@ def _alive(pid: int) -> bool:
     # A child of a killed parent is re-parented and reaped by init; a zombie counts as gone.
     with open(f"/proc/{pid}/stat") as fh:
         return fh.read().split(")")[-1].split()[0] != "Z"
+
+
+@pytest.mark.parametrize("prefixed", [True, False])
+def test_a_parent_gone_during_start_up_leaves_no_reward_folder(tmp_path, prefixed):
+    """The parent gone before its first message (the child's imports take a while): the child
+    still removes the folder it was started in, and only a folder of the reward process's own."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from stages.reward import isolated
+
+    folder = tempfile.mkdtemp(prefix=isolated._FOLDER_PREFIX if prefixed else "other-", dir=tmp_path)
+    path = os.pathsep.join(os.path.abspath(p) if p else os.getcwd() for p in sys.path)
+    child = subprocess.Popen([sys.executable, "-c", isolated._CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, cwd=folder, env={**os.environ, "PYTHONPATH": path})
+    child.stdin.close()
+    child.wait(timeout=60)
+    child.stdout.close()
+    assert os.path.exists(folder) is not prefixed

@@ -84,6 +84,19 @@ def _one_torch_thread():
     yield
 
 
+def assert_loaded_from(run: Path, step: int, source: str, engines: int) -> list[dict]:
+    """Every rollout task of ``step`` in run folder ``run`` got its weights from ``source`` ("disk"
+    or "memory") or found that version held, and at least one loaded it. Any engine may take any of
+    a step's prompt ranges, so an engine that takes two finds the version held at its second: which
+    tasks load depends on scheduling, not what they load from. Returns the tasks that loaded."""
+    from storage.rollouts import RolloutStore
+
+    results = RolloutStore(run / "rollouts.zarr").attrs(step)["results_rollout"]
+    sources = [r["weights_from"] for r in results]
+    assert len(results) == engines and set(sources) <= {source, "held"} and source in sources, (step, sources)
+    return [r for r in results if r["weights_from"] == source]
+
+
 def assert_same_runs(a: Path, b: Path, steps: int, min_weight_files: int) -> None:
     """Two run folders hold steps 0 .. steps-1 with equal Zarr arrays, array by array, and byte-equal
     policy safetensors files where both hold them (at least ``min_weight_files``); a file only one

@@ -18,6 +18,7 @@ import numpy as np
 
 from stages.data.config import DatasetConfig, DatasetError
 from stages.data.readers import RawRecord, read_records
+from stages.files import file_stamp
 from stages.tasks.addition import answer_of, make_prompts
 
 __all__ = ["PromptCodec", "PromptRecord", "PromptSource", "FilePromptSource", "AdditionPromptSource",
@@ -66,18 +67,14 @@ class PromptSource(Protocol):
 
 
 def dataset_stamp(cfg: DatasetConfig) -> tuple:
-    """(path, inode, size, mtime) of every file the configured data is read from (none for the
+    """(path, :func:`~stages.files.file_stamp`) of every file the configured data is read from (none for the
     generated addition task): equal stamps mean data not rewritten since, so a cache of opened
     sources can key on it and a file edited between two runs on one cluster is read again."""
     if cfg.kind == "addition" or not cfg.path:
         return ()
     root = Path(cfg.path)
     files = [root] if root.is_file() else sorted(f for f in root.rglob("*") if f.is_file())
-    out = []
-    for f in files:
-        st = f.stat()
-        out.append((str(f), st.st_ino, st.st_size, st.st_mtime_ns))
-    return tuple(out)
+    return tuple((str(f), file_stamp(f)) for f in files)
 
 
 def open_prompt_source(cfg: DatasetConfig, codec: PromptCodec, prompts_per_step: int) -> PromptSource:

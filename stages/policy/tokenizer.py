@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from tokenizers import Tokenizer
+
+from stages.files import file_stamp
 
 __all__ = ["CODEC_FILES", "TextCodec", "TokenizerFolderError", "codec_files_digest", "codec_files_stamp",
            "render_chat_template"]
@@ -35,17 +36,9 @@ CODEC_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.js
 
 
 def codec_files_stamp(path: str | Path) -> tuple:
-    """(inode, size, mtime) of each of :data:`CODEC_FILES` in ``path`` (None where absent): equal
-    stamps mean files not rewritten since, for a cache in front of :func:`codec_files_digest`."""
-    out = []
-    for name in CODEC_FILES:
-        try:
-            st = os.stat(Path(path) / name)
-        except FileNotFoundError:
-            out.append(None)
-            continue
-        out.append((st.st_ino, st.st_size, st.st_mtime_ns))
-    return tuple(out)
+    """:func:`~stages.files.file_stamp` of each of :data:`CODEC_FILES` in ``path``: equal stamps mean
+    files not rewritten since, for a cache in front of :func:`codec_files_digest`."""
+    return tuple(file_stamp(Path(path) / name) for name in CODEC_FILES)
 
 
 def codec_files_digest(path: str | Path) -> str:

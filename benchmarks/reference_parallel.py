@@ -36,8 +36,8 @@ from stages.train.loss import TARGET_FIELDS, token_logp  # noqa: E402
 _NEXT = TARGET_FIELDS.index("next_id")
 
 
-def _step(scenario: str):
-    cfg = scenario_config(scenario, "/tmp/reference-parallel", "bench", 2, [])
+def _step(scenario: str, overrides: list[str] = ()):
+    cfg = scenario_config(scenario, "/tmp/reference-parallel", "bench", 2, list(overrides))
     m = cfg.model
     model_cfg = DecoderConfig(vocab_size=16, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
                               num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,

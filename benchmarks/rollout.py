@@ -25,9 +25,10 @@ dtype, timed by wall clock with the device synchronised, and the matmul referenc
 decode shapes on the GPU. ``--prompts`` scales the batch (16 is the CPU workload; a GPU needs more
 rows to fill). ``--max-num-seqs`` caps the engine's live sequences (rollout.max_num_seqs, 256 by
 default; 0: every row at once, as ``generate`` runs them): past the cap the engine admits the rest in
-later waves.
+later waves. ``--only ops`` counts the aten ops each dispatches per decode step (a GPU launches a
+kernel or more for each; the count is the same on any device).
 
-    .venv/bin/python benchmarks/rollout.py [--threads 1] [--reps 1] [--only skewed|fixed|speculative] [--no-hf]
+    .venv/bin/python benchmarks/rollout.py [--threads 1] [--reps 1] [--only skewed|fixed|speculative|ops] [--no-hf]
     python3 benchmarks/rollout.py --device cuda --max-num-seqs 0 --reps 3 --prompts 16 --prompts 128   # on a GPU
 """
 
@@ -333,13 +334,40 @@ def _speculative(model, prompts, rows: int) -> None:
               f"(Leviathan Eq. 1: {(1 - a ** (k + 1)) / (1 - a):.2f}), speed-up {plain / t:.2f}x")
 
 
+def _count_ops(model, hf, prompts) -> None:
+    """Aten ops dispatched per decode step (no stop token, 64 tokens) by the engine and by
+    ``generate``: on a GPU each is a kernel launch or more, and a small model's step is bound by them."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func.overloadpacket)] += 1
+            return func(*args, **(kwargs or {}))
+
+    params = SamplingParams(_G, _MAX_NEW, 1.0, 1.0, (), 0)
+    runs = {"paged": lambda: generate(model, prompts, params, torch.Generator().manual_seed(0), _engine(prompts))}
+    if hf is not None:
+        runs["hf"] = lambda: hf_generate(hf, prompts, params, 0)
+    print(f"\n[ops, {len(prompts)} prompts x G {_G}, {_MAX_NEW} tokens]")
+    for key, fn in runs.items():
+        with _Count() as counted:
+            fn()
+        print(f"  {key:7s} {sum(counted.ops.values()) / _MAX_NEW:7.0f} aten ops per decode step")
+
+
 def main() -> None:
     global _DEVICE, _DTYPE, _MAX_NUM_SEQS
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--no-hf", action="store_true")
-    ap.add_argument("--only", choices=["skewed", "fixed", "speculative"])
+    ap.add_argument("--only", choices=["skewed", "fixed", "speculative", "ops"])
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (rollout.device's spellings)")
     ap.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (bfloat16 on CUDA)")
     ap.add_argument("--prompts", type=int, action="append",
@@ -366,6 +394,8 @@ def main() -> None:
         if args.only in (None, "speculative"):
             _speculative(model, prompts, 4)
             _speculative(model, prompts, num * _G)
+        if args.only == "ops":
+            _count_ops(model, hf, prompts)
 
 
 if __name__ == "__main__":

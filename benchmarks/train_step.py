@@ -10,6 +10,7 @@ parts; the rest of its step is waits on the other rank).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/train_step.py --reps 6 --rounds 2
     PYTHONPATH=$PWD .venv/bin/python benchmarks/train_step.py --reps 6 --rounds 2 --schedules 1f1b zb-h1 zbv:2
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/train_step.py --reps 6 --rounds 2 train.micro_batch_size=128
 """
 
 from __future__ import annotations
@@ -73,8 +74,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="alternations of the variants")
     parser.add_argument("--schedules", nargs="+", default=["1f1b"], metavar="NAME[:V]",
                         help="pipeline schedules to time, each with its stages per rank (default 1)")
+    parser.add_argument("overrides", nargs="*", help="key=value on top of the tiny scenario "
+                        "(e.g. train.micro_batch_size=128)")
     args = parser.parse_args()
-    cfg, model_cfg, model, batch = _step("tiny")
+    cfg, model_cfg, model, batch = _step("tiny", args.overrides)
     pipes = [(name, int(v or 1)) for name, _, v in (s.partition(":") for s in args.schedules)]
     for name, v in pipes:
         problem = schedule_error(name, 2, cfg.num_microbatches, v, model_cfg.num_hidden_layers)

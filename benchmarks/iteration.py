@@ -8,6 +8,9 @@ project's GRPO loss, on every core the process has (grpoflow's thread rule). grp
 its embedded Dask cluster from the same base policy.
 
 The two alternate, several repetitions each (the machine is shared: compare ratios, not seconds).
+Each grpoflow run's folder is removed once measured (unless ``--runs-dir`` keeps them): run folders
+left in the page cache leave the next runs little free memory, and every page a run then touches
+is first reclaimed (kernel time in its page faults). The first line printed is the memory available.
 Per run, the first iteration is dropped (cluster and pipeline warm-up) and the median of the rest
 is kept. grpoflow's seconds per iteration are its step windows (from one step's last training-rank
 task end to the next one's: publication, lineage and submission included), the wall time a step
@@ -37,10 +40,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import tempfile
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -185,15 +190,44 @@ def main() -> None:
     p.add_argument("--scenario", choices=sorted(SCENARIOS), default="tiny")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--iterations", type=int, default=4, help="per run; the first is dropped")
-    p.add_argument("--runs-dir", default=None, help="default: a temporary folder (the base-policy cache is kept "
-                   "there across repetitions)")
+    p.add_argument("--runs-dir", default=None, help="keep every run folder here (default: a temporary folder, "
+                   "each run's folder removed once measured and the folder itself at the end)")
     p.add_argument("--json", default=None, help="also write the raw per-rep numbers here")
     p.add_argument("--device", default="cpu", help="the loop's device (cpu, cuda); for a like-for-like CUDA "
                    "comparison give grpoflow train.device=cuda rollout.dtype=float32 (the loop computes in float32)")
     p.add_argument("overrides", nargs="*", help="key=value on top of the scenario")
     args = p.parse_args()
+    print(f"host memory available: {_memory_available()}", flush=True)
     runs_dir = args.runs_dir or tempfile.mkdtemp(prefix="iteration-bench-")
+    try:
+        reps = _measure(args, runs_dir)
+    finally:
+        if args.runs_dir is None:
+            shutil.rmtree(runs_dir, ignore_errors=True)
+    _report(args.scenario, reps, overlapping=reps[-1]["overlapping"])
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(reps, fh, indent=1)
+
+
+def _memory_available() -> str:
+    """MemAvailable of MemTotal (Linux). Little available memory slows the run that writes files:
+    each new page it touches is first reclaimed from the page cache (kernel time in its page
+    faults), a cost the loop, which writes nothing, does not pay to the same degree."""
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        gib = {k: int(info[k].split()[0]) / 2**20 for k in ("MemAvailable", "MemTotal")}
+        return f"{gib['MemAvailable']:.1f} of {gib['MemTotal']:.1f} GiB"
+    except (OSError, KeyError, ValueError):
+        return "unknown"
+
+
+def _measure(args, runs_dir: str) -> list[dict]:
+    """The interleaved repetitions. Without --runs-dir each grpoflow run's folder is removed once its
+    metrics are read (a bench run writes ~0.8 GB of versions; left behind, they fill the page cache
+    the next runs allocate from), except rep 0's base policy, which every loop starts from."""
     reps = []
+    base_path = None
     for rep in range(args.reps):
         cfg = scenario_config(args.scenario, runs_dir, f"{args.scenario}-{rep}", args.iterations, args.overrides)
         order = ("flow", "base") if rep % 2 == 0 else ("base", "flow")
@@ -202,20 +236,21 @@ def main() -> None:
             if which == "flow":
                 steps = grpoflow_iterations(cfg)
                 row["flow"] = {k: _median_after_first(steps, k) for k in _FLOW_KEYS}
+                if base_path is None:  # policy v0 of the first grpoflow run: the base model
+                    base_path = str(Path(runs_dir) / "base-v0")
+                    shutil.copytree(run_folder(cfg).policy_store().version_path(0), base_path)
+                if args.runs_dir is None:
+                    shutil.rmtree(run_folder(cfg).root, ignore_errors=True)
             else:
-                # Policy v0 of a grpoflow run folder: the same base model (written by the first run).
-                base = scenario_config(args.scenario, runs_dir, f"{args.scenario}-0", args.iterations, args.overrides)
-                steps = baseline_iterations(cfg, str(run_folder(base).policy_store().version_path(0)), args.device)
+                steps = baseline_iterations(cfg, base_path, args.device)
                 row["base"] = {k: _median_after_first(steps, k) for k in _BASE_KEYS}
         row["ratio"] = {"flow_over_base": row["flow"]["step_window_seconds"] / row["base"]["iteration_seconds"]}
+        row["overlapping"] = cfg.rollout.max_staleness >= 1
         reps.append(row)
         print(f"rep {rep}: grpoflow {row['flow']['step_window_seconds']:.3f} s/it, "
               f"baseline {row['base']['iteration_seconds']:.3f} s/it, ratio {row['ratio']['flow_over_base']:.2f}",
               flush=True)
-    _report(args.scenario, reps, overlapping=cfg.rollout.max_staleness >= 1)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(reps, fh, indent=1)
+    return reps
 
 
 def _report(scenario: str, reps: list[dict], overlapping: bool = False) -> None:

@@ -280,7 +280,7 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
     if scored_in_rollout:
         pass  # the rollout tasks score, their gate marks the scores (above)
     elif "reward" not in done:  # each scoring task writes rewards and advantages of whole groups
-        scoring = [(tasks.score_task, (cfg, ref, policy.path, lo * G, hi * G, layout.chunk_samples, *rollout),
+        scoring = [(tasks.score_task, (cfg, ref, policy.path, lo * G, hi * G, *rollout),
                     dict(key=f"score-{ref.step}-{i}-{tok}", **io))
                    for i, (lo, hi) in enumerate(_ranges(layout.num_prompts, gpc, cfg.reward.num_tasks))]
         if len(scoring) == 1:

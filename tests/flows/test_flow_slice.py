@@ -58,7 +58,7 @@ def test_score_task_on_fixture_rows(step0):
         rows["prompt_ids"][i, : len(ids)], rows["prompt_len"][i] = ids, len(ids)
         rows["tokens"][i, : len(out)], rows["length"][i] = out, len(out)
     store.write_rows(0, rows)
-    metrics = tasks.score_task(cfg, ref, policy.path, 0, 2 * G, store.layout(0).chunk_samples)
+    metrics = tasks.score_task(cfg, ref, policy.path, 0, 2 * G)
     got = store.read(0, "reward", "advantage")
     expected = [1.0] * G + [float(answer_of(prompts[1]) == "0")] * G
     np.testing.assert_array_equal(got["reward"][: 2 * G], expected)
@@ -73,8 +73,7 @@ def test_rollout_reward_advantage_slice(step0):
     G, P = cfg.rollout.group_size, cfg.task.prompts_per_step
     roll = [tasks.rollout_task(cfg, ref, policy, lo, hi, "engine-0") for lo, hi in ((0, 4), (4, 8))]
     tasks.mark_stage_complete(ref, "rollout", *roll)
-    chunk = store.layout(0).chunk_samples
-    scores = [tasks.score_task(cfg, ref, policy.path, lo, hi, chunk) for lo, hi in ((0, 4 * G), (4 * G, 8 * G))]
+    scores = [tasks.score_task(cfg, ref, policy.path, lo, hi) for lo, hi in ((0, 4 * G), (4 * G, 8 * G))]
     stats = tasks.mark_scored(cfg, ref, *scores)
     assert store.completed(0) == {"rollout", "reward", "advantage"}
     assert store.attrs(0)["results_advantage"] == [stats]

@@ -63,8 +63,12 @@ def phase_threads(cfg: GRPOConfig, phase: str, cores: int | None = None) -> int:
         return fixed
     cores = cores or len(os.sched_getaffinity(0))
     engines, ranks = cfg.rollout.num_engines, cfg.train.world_size
-    if cfg.cluster.placement == "colocated" or cfg.rollout.max_staleness >= 1:
+    if cfg.rollout.max_staleness >= 1:
+        # Colocated, a rank without an engine may run its share of a pass while another worker
+        # generates; decoupled, both pools run at once.
         busy = max(engines, ranks) if cfg.cluster.placement == "colocated" else engines + ranks
+    elif cfg.cluster.placement == "colocated":  # the engines live in the first min(engines, ranks) workers
+        busy = min(engines, ranks) if phase == "rollout" else ranks
     else:
         busy = engines if phase == "rollout" else ranks
     return max(1, cores // max(busy, 1))

@@ -16,8 +16,11 @@ _DECOUPLED = ["cluster.placement=decoupled", "rollout.num_engines=1"]
     (_DECOUPLED, 8, 8, 4),
     ([*_DECOUPLED, "rollout.max_staleness=1"], 2, 1, 1),  # steps overlap: 1 engine + 2 ranks busy at once
     ([*_DECOUPLED, "rollout.max_staleness=1"], 6, 2, 2),
-    (["cluster.placement=colocated", "rollout.num_engines=1"], 4, 2, 2),  # one pool: max(1 engine, 2 ranks)
-    ([], 2, 1, 1),  # the tiny config: 2 engines in the 2 training workers, max(2, 2) = 2
+    # Colocated, sync: the ranks wait while the one engine generates, so it takes every core.
+    (["cluster.placement=colocated", "rollout.num_engines=1"], 4, 4, 2),
+    # Colocated, steps overlapping: rank 1 may run its share of a pass while rank 0's engine generates.
+    (["cluster.placement=colocated", "rollout.num_engines=1", "rollout.max_staleness=1"], 4, 2, 2),
+    ([], 2, 1, 1),  # the tiny config: 2 engines in the 2 training workers, 2 ranks
     ([], 8, 4, 4),
     ([*_DECOUPLED, "cluster.rollout_threads=3", "cluster.train_threads=1"], 8, 3, 1),  # fixed counts win
 ])

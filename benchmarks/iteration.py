@@ -191,7 +191,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--iterations", type=int, default=4, help="per run; the first is dropped")
     p.add_argument("--runs-dir", default=None, help="keep every run folder here (default: a temporary folder, "
-                   "each run's folder removed once measured and the folder itself at the end)")
+                   "each run's folder removed once measured, the base-policy cache kept across repetitions, and the "
+                   "folder itself removed at the end)")
     p.add_argument("--json", default=None, help="also write the raw per-rep numbers here")
     p.add_argument("--device", default="cpu", help="the loop's device (cpu, cuda); for a like-for-like CUDA "
                    "comparison give grpoflow train.device=cuda rollout.dtype=float32 (the loop computes in float32)")
@@ -238,7 +239,7 @@ def _measure(args, runs_dir: str) -> list[dict]:
                 row["flow"] = {k: _median_after_first(steps, k) for k in _FLOW_KEYS}
                 if base_path is None:  # policy v0 of the first grpoflow run: the base model
                     base_path = str(Path(runs_dir) / "base-v0")
-                    shutil.copytree(run_folder(cfg).policy_store().version_path(0), base_path)
+                    shutil.copytree(run_folder(cfg).policy_store().version_path(0), base_path, dirs_exist_ok=True)
                 if args.runs_dir is None:
                     shutil.rmtree(run_folder(cfg).root, ignore_errors=True)
             else:

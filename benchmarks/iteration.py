@@ -201,11 +201,11 @@ def main() -> None:
     print(f"host memory available: {_memory_available()}", flush=True)
     runs_dir = args.runs_dir or tempfile.mkdtemp(prefix="iteration-bench-")
     try:
-        reps = _measure(args, runs_dir)
+        reps, cfg = _measure(args, runs_dir)
     finally:
         if args.runs_dir is None:
             shutil.rmtree(runs_dir, ignore_errors=True)
-    _report(args.scenario, reps, overlapping=reps[-1]["overlapping"])
+    _report(args.scenario, reps, overlapping=cfg.rollout.max_staleness >= 1)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(reps, fh, indent=1)
@@ -223,10 +223,11 @@ def _memory_available() -> str:
         return "unknown"
 
 
-def _measure(args, runs_dir: str) -> list[dict]:
-    """The interleaved repetitions. Without --runs-dir each grpoflow run's folder is removed once its
-    metrics are read (a bench run writes ~0.8 GB of versions; left behind, they fill the page cache
-    the next runs allocate from), except rep 0's base policy, which every loop starts from."""
+def _measure(args, runs_dir: str) -> tuple[list[dict], GRPOConfig]:
+    """The interleaved repetitions, and the last one's config. Without --runs-dir each grpoflow
+    run's folder is removed once its metrics are read (a bench run writes ~0.8 GB of versions; left
+    behind, they fill the page cache the next runs allocate from); a copy of the first run's policy
+    v0 is kept, which every loop starts from."""
     reps = []
     base_path = None
     for rep in range(args.reps):
@@ -246,12 +247,11 @@ def _measure(args, runs_dir: str) -> list[dict]:
                 steps = baseline_iterations(cfg, base_path, args.device)
                 row["base"] = {k: _median_after_first(steps, k) for k in _BASE_KEYS}
         row["ratio"] = {"flow_over_base": row["flow"]["step_window_seconds"] / row["base"]["iteration_seconds"]}
-        row["overlapping"] = cfg.rollout.max_staleness >= 1
         reps.append(row)
         print(f"rep {rep}: grpoflow {row['flow']['step_window_seconds']:.3f} s/it, "
               f"baseline {row['base']['iteration_seconds']:.3f} s/it, ratio {row['ratio']['flow_over_base']:.2f}",
               flush=True)
-    return reps
+    return reps, cfg
 
 
 def _report(scenario: str, reps: list[dict], overlapping: bool = False) -> None:

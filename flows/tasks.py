@@ -318,9 +318,12 @@ def mark_stage_complete(ref: StepRef, stage: str | tuple[str, ...], *deps, attrs
 def run_and_mark(fn: Callable, ref: StepRef, stage: str | tuple[str, ...], attrs: dict, *args):
     """``fn(*args)``, the only task of ``stage`` (or the one that writes its outputs, after every
     other task of it has done its share), then the stage's completion mark with its result (as
-    :func:`mark_stage_complete` writes it), in the same task."""
+    :func:`mark_stage_complete` writes it), in the same task. A result that is not a dict of
+    measurements (publish's PolicyRef) is marked with the task's start and end instead."""
+    t_start = time.time()
     result = fn(*args)
-    mark_stage_complete(ref, stage, result, attrs=attrs)
+    measured = result if isinstance(result, dict) else {"task_start": t_start, "task_end": time.time()}
+    mark_stage_complete(ref, stage, measured, attrs=attrs)
     return result
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.critical_path import TILES, run_parts
 from conftest import assert_same_runs
 from flows.cluster import start_cluster
 from flows.config import load_config
@@ -91,3 +92,25 @@ def test_the_stages_inside_others_are_marked_and_measured(graphs):
         assert "train_handoff_seconds" not in ours  # no forward-only task before the train tasks
         for key in ("reward_mean", "loss", "kl", "grad_norm", "reward_failed", "completion_length_mean"):
             assert ours[key] == theirs[key], key
+
+
+def test_the_stored_task_times_tile_each_step_window(graphs):
+    """benchmarks/critical_path.py breaks a step's window down from the run folder alone: its
+    six parts follow one another (each task starts after the one it waits for ends) and add up to
+    the window the run reported, with the separate stages as with the stages inside others; the
+    rollout and train parts' own phases add up to them."""
+    for run_dir, metrics in graphs[:2]:
+        by_step, overlapping = run_parts(run_dir, skip=1)
+        assert not overlapping and sorted(by_step) == list(range(1, ITERATIONS)), run_dir.name
+        for step, parts in by_step.items():
+            assert all(parts[k] >= 0 for k in TILES if k in parts), (run_dir.name, step, parts)
+            assert "publish" in parts and "publish_and_hops" not in parts  # the publish task's times are stored
+            assert sum(parts[k] for k in TILES if k in parts) == pytest.approx(parts["window"], abs=1e-6)
+            assert parts["window"] == pytest.approx(metrics[step]["step_window_seconds"], abs=1e-6)
+            rollout = ("rollout_skew", "weight_load", "generate", "score", "rollout_other")
+            train = ("train_skew", "before_schedule", "reference", "schedule", "after_schedule")
+            assert sum(parts[k] for k in rollout) == pytest.approx(parts["rollout"], abs=1e-6)
+            assert sum(parts[k] for k in train) == pytest.approx(parts["train"], abs=1e-6)
+            assert parts["generate"] > 0 and parts["schedule"] > 0
+            # Scoring and the reference pass are inside the rollout and train tasks only when fused.
+            assert (parts["score"] > 0 and parts["reference"] > 0) == (run_dir.name == "inside")

@@ -70,14 +70,16 @@ def _one_process(cfg, model_cfg, model, batch, reps: int, threads: int) -> list[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scenario", choices=("tiny", "bench"), default="tiny",
+                        help="benchmarks/iteration.py's scenario (bench: its model, synthetic log-normal lengths)")
     parser.add_argument("--reps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=2, help="alternations of the variants")
     parser.add_argument("--schedules", nargs="+", default=["1f1b"], metavar="NAME[:V]",
                         help="pipeline schedules to time, each with its stages per rank (default 1)")
-    parser.add_argument("overrides", nargs="*", help="key=value on top of the tiny scenario "
+    parser.add_argument("overrides", nargs="*", help="key=value on top of the scenario "
                         "(e.g. train.micro_batch_size=128)")
     args = parser.parse_args()
-    cfg, model_cfg, model, batch = _step("tiny", args.overrides)
+    cfg, model_cfg, model, batch = _step(args.scenario, args.overrides)
     pipes = [(name, int(v or 1)) for name, _, v in (s.partition(":") for s in args.schedules)]
     for name, v in pipes:
         problem = schedule_error(name, 2, cfg.num_microbatches, v, model_cfg.num_hidden_layers)

@@ -47,8 +47,8 @@ class ClusterConfig:
     """Embedded cluster: workers without resources (reward, advantage, IO)."""
     placement: str = "decoupled"
     """Embedded cluster: colocated gives the first rollout.num_engines training workers the rollout
-    resource too (one pool for both phases); decoupled starts rollout.num_engines separate rollout
-    workers."""
+    resource too (one pool for both phases; so at most train's world size of engines); decoupled
+    starts rollout.num_engines separate rollout workers."""
     colocated: Optional[bool] = None
     """Replaced by cluster.placement; setting it is an error that names the new key."""
     rollout_threads: int = 0
@@ -162,6 +162,11 @@ class GRPOConfig:
         )
         self._check_dataset()
         self._check_parallel_layout()
+        world = self.train.world_size
+        _require(not self.cluster.colocated_pools or self.rollout.num_engines <= world,
+                 f"rollout.num_engines={self.rollout.num_engines} exceeds the {world} training workers that hold the "
+                 f"engines with cluster.placement=colocated: set rollout.num_engines <= {world} or "
+                 "cluster.placement=decoupled")
 
     def _check_dataset(self) -> None:
         d = self.dataset

@@ -49,6 +49,18 @@ def test_microbatch_count_is_the_worst_case_of_the_token_budget():
     assert (packed.num_microbatches, packed.microbatch_layout.rows) == (8, 4)
 
 
+def test_colocated_engines_are_at_most_the_training_workers():
+    """Under colocated placement the engines live in the training workers: asking for more than
+    there are would run fewer engines than the config says, so it is refused in one line."""
+    with pytest.raises(ConfigError) as info:
+        load_config("configs/tiny.yaml", [*SMALL, "cluster.placement=colocated", "rollout.num_engines=3"])
+    assert "rollout.num_engines=3" in str(info.value) and "2 training workers" in str(info.value)
+    assert "\n" not in str(info.value)
+    assert load_config("configs/tiny.yaml", [*SMALL, "cluster.placement=colocated", "rollout.num_engines=2"])
+    # Decoupled engines are workers of their own: any count.
+    assert load_config("configs/tiny.yaml", [*SMALL, "cluster.placement=decoupled", "rollout.num_engines=3"])
+
+
 def test_1f1b_needs_as_many_microbatches_as_stages():
     with pytest.raises(ConfigError, match="micro_batch_size"):
         load_config("configs/tiny.yaml", [*SMALL, "train.micro_batch_size=128"])

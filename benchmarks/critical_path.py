@@ -47,7 +47,7 @@ PARTS = (
     ("weight_load", "weight load", 1),
     ("generate", "generate", 1),
     ("score", "score and normalise", 1),
-    ("rollout_other", "prompts, row writes, mark", 1),
+    ("rollout_other", "prompts, step attributes, row writes", 1),
     ("rollout_to_train", "rollout -> train (hop, separate stages)", 0),
     ("train", "train tasks", 0),
     ("train_skew", "last rank's start after the first", 1),

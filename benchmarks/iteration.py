@@ -14,7 +14,8 @@ is first reclaimed (kernel time in its page faults). The first line printed is t
 Per run, the first iteration is dropped (cluster and pipeline warm-up) and the median of the rest
 is kept. grpoflow's seconds per iteration are its step windows (from one step's last training-rank
 task end to the next one's: publication, lineage and submission included), the wall time a step
-costs the run; ``iteration_seconds`` (submission to the last stage's end) is printed beside them.
+costs the run; ``iteration_seconds`` (submission to the last stage's end) is printed beside them,
+and after them the window part by part, read from each run's folder (benchmarks/critical_path.py).
 Scenarios:
 
 - tiny: configs/tiny.yaml as shipped (64 prompts x G 8, 6 new tokens, PP 2).
@@ -63,6 +64,8 @@ from stages.data import open_prompt_source
 from stages.train.batch import BucketedBatch, build_global_batch
 from stages.train.loss import TARGET_FIELDS, grpo_microbatch_loss, token_logp
 from storage.policies import load_model_folder
+
+from critical_path import PARTS, run_parts
 
 _NEXT = TARGET_FIELDS.index("next_id")
 
@@ -238,6 +241,7 @@ def _measure(args, runs_dir: str) -> tuple[list[dict], GRPOConfig]:
             if which == "flow":
                 steps = grpoflow_iterations(cfg)
                 row["flow"] = {k: _median_after_first(steps, k) for k in _FLOW_KEYS}
+                row["flow_path"] = _path_medians(run_folder(cfg).root)
                 if base_path is None:  # policy v0 of the first grpoflow run: the base model
                     base_path = str(Path(runs_dir) / "base-v0")
                     shutil.copytree(run_folder(cfg).policy_store().version_path(0), base_path, dirs_exist_ok=True)
@@ -254,6 +258,14 @@ def _measure(args, runs_dir: str) -> tuple[list[dict], GRPOConfig]:
     return reps, cfg
 
 
+def _path_medians(run_dir: str) -> dict[str, float]:
+    """Medians over the run's steps (the first dropped) of its window's parts
+    (benchmarks/critical_path.py); empty when its steps overlap."""
+    by_step, _ = run_parts(run_dir, skip=1)
+    keys = {k for parts in by_step.values() for k in parts}
+    return {k: statistics.median(p[k] for p in by_step.values() if k in p) for k in keys}
+
+
 def _report(scenario: str, reps: list[dict], overlapping: bool = False) -> None:
     med = {w: {k: statistics.median(r[w][k] for r in reps) for k in reps[0][w]} for w in ("flow", "base")}
     ratios = [r["ratio"]["flow_over_base"] for r in reps]
@@ -268,6 +280,13 @@ def _report(scenario: str, reps: list[dict], overlapping: bool = False) -> None:
     else:
         print(f"grpoflow outside rollout/reference/train compute: {1 - compute / f['step_window_seconds']:.1%}")
     print("baseline: " + ", ".join(f"{k} {v:.3f}" for k, v in b.items()))
+    paths = [r["flow_path"] for r in reps if r.get("flow_path")]
+    if paths:  # where grpoflow's window goes, median over the reps of each rep's median
+        print("grpoflow step window by part (ms; benchmarks/critical_path.py, indented: within the part above):")
+        for key, label, indent in [*PARTS, ("window", "window", 0)]:
+            values = [p[key] for p in paths if key in p]
+            if values:
+                print(f"  {'  ' * indent}{label}: {statistics.median(values) * 1e3:.1f}")
 
 
 if __name__ == "__main__":

@@ -162,11 +162,15 @@ class GRPOConfig:
         )
         self._check_dataset()
         self._check_parallel_layout()
-        world = self.train.world_size
-        _require(not self.cluster.colocated_pools or self.rollout.num_engines <= world,
-                 f"rollout.num_engines={self.rollout.num_engines} exceeds the {world} training workers that hold the "
-                 f"engines with cluster.placement=colocated: set rollout.num_engines <= {world} or "
-                 "cluster.placement=decoupled")
+        self._check_placement()
+
+    def _check_placement(self) -> None:
+        """The embedded cluster's colocated engines are training workers: no more than there are
+        (a cluster of one's own, cluster.scheduler_address, may offer the rollout resource elsewhere)."""
+        world, engines = self.train.world_size, self.rollout.num_engines
+        _require(self.cluster.scheduler_address or not self.cluster.colocated_pools or engines <= world,
+                 f"rollout.num_engines={engines} exceeds the {world} training workers that hold the engines with "
+                 f"cluster.placement=colocated: set rollout.num_engines <= {world} or cluster.placement=decoupled")
 
     def _check_dataset(self) -> None:
         d = self.dataset

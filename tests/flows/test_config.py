@@ -57,8 +57,11 @@ def test_colocated_engines_are_at_most_the_training_workers():
     assert "rollout.num_engines=3" in str(info.value) and "2 training workers" in str(info.value)
     assert "\n" not in str(info.value)
     assert load_config("configs/tiny.yaml", [*SMALL, "cluster.placement=colocated", "rollout.num_engines=2"])
-    # Decoupled engines are workers of their own: any count.
+    # Decoupled engines are workers of their own, and a cluster of one's own may offer the rollout
+    # resource on other workers too: any count.
     assert load_config("configs/tiny.yaml", [*SMALL, "cluster.placement=decoupled", "rollout.num_engines=3"])
+    assert load_config("configs/tiny.yaml", [*SMALL, "cluster.placement=colocated", "rollout.num_engines=3",
+                                             "cluster.scheduler_address=tcp://127.0.0.1:8786"])
 
 
 def test_1f1b_needs_as_many_microbatches_as_stages():

@@ -18,7 +18,8 @@ and the rollout and train parts are split further on the task that ended last (t
 waited for): its start after the first one, then its own measured phases. Steps whose rollout starts
 before the previous step's training ends (``rollout.max_staleness`` >= 1) overlap and have no such
 path; they are counted and left out. A publish task's times are stored since the mark recorded
-them; for older runs the publish part and its two hops are one part.
+them; for older runs the publish part and its two hops are one part. In a resumed run the first
+step after the restart spans it (its previous step ended in the earlier process): use ``--skip``.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/critical_path.py RUNS_DIR/RUN_NAME
     PYTHONPATH=$PWD .venv/bin/python benchmarks/critical_path.py RUNS_DIR/RUN_NAME --skip 2 --steps

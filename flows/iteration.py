@@ -381,7 +381,7 @@ def prepare_step(cfg: GRPOConfig, folder: RunFolder, step: int, policy_version: 
     store = folder.rollout_store()
     if store.has_step(step):
         return False
-    store.create_step(step, step_layout(cfg), policy_version, config_hash(cfg))
+    store.create_step(step, step_layout(cfg), policy_version, config_hash(cfg), tasks.data_stamp(cfg))
     return True
 
 
@@ -401,7 +401,7 @@ def submit_iteration(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunF
     done = set() if prepared else store.completed(step)
     if not prepared and ("rollout" not in done or store.attrs(step).get("policy_version") != policy.version):
         # A partial rollout, or one from another version, is regenerated whole.
-        store.create_step(step, step_layout(cfg), policy.version, config_hash(cfg))
+        store.create_step(step, step_layout(cfg), policy.version, config_hash(cfg), tasks.data_stamp(cfg))
         done = set()
     ref = store.ref(step)
     start = time.perf_counter()

@@ -126,12 +126,21 @@ def _codec(cfg: GRPOConfig, policy_path: str) -> TextCodec:
     return _CODECS[key]
 
 
-def _records(cfg: GRPOConfig, policy_path: str, step: int, first: int, stop: int) -> list[PromptRecord]:
+def data_stamp(cfg: GRPOConfig) -> str:
+    """A digest of the state of the prompt data's files (:func:`~stages.data.dataset_stamp`: path,
+    inode, size and mtime of each), taken by the driver as it makes a step and stored with the step:
+    a folder of many files is walked once a step, not once a task."""
+    return config_hash({"files": dataset_stamp(cfg.dataset)})
+
+
+def _records(cfg: GRPOConfig, policy_path: str, step: int, first: int, stop: int,
+             stamp: str | None = None) -> list[PromptRecord]:
     """Prompts [first, stop) of the step. The source tokenises its data once per worker, tokenizer
     (the same in every version of a run) and state of the data's files (one edited between two runs
-    on a live cluster is read again)."""
+    on a live cluster is read again): ``stamp``, the step's :func:`data_stamp`, or taken here when
+    the step has none (a step stored before steps recorded it)."""
     key = config_hash({"tokenizer": _tokenizer_digest(policy_path), "dataset": cfg.dataset,
-                       "files": dataset_stamp(cfg.dataset), "prompts_per_step": cfg.task.prompts_per_step})
+                       "files": stamp or data_stamp(cfg), "prompts_per_step": cfg.task.prompts_per_step})
     if key not in _SOURCES:
         _SOURCES[key] = open_prompt_source(cfg.dataset, _codec(cfg, policy_path), cfg.task.prompts_per_step)
     return _SOURCES[key].records(step)[first:stop]
@@ -289,7 +298,7 @@ def rollout_task(cfg: GRPOConfig, ref: StepRef, policy: PolicyRef, prompt_start:
     attrs = store.attrs(ref.step)
     _check_engine_version(engine_key, attrs["policy_version"])
     layout = StepLayout.from_attrs(attrs)
-    records = _records(cfg, policy.path, ref.step, prompt_start, prompt_stop)
+    records = _records(cfg, policy.path, ref.step, prompt_start, prompt_stop, attrs.get("data_stamp"))
     rows = generate_rows(model, codec, [r.prompt_ids for r in records], cfg.rollout, seed=cfg.seed, step=ref.step,
                          prompt_start=prompt_start, prompts_per_step=cfg.task.prompts_per_step,
                          prompt_width=layout.prompt_width, policy_version=policy.version)
@@ -354,7 +363,8 @@ def score_task(cfg: GRPOConfig, ref: StepRef, policy_path: str, start: int, stop
     store = RolloutStore(ref.root)
     rows = store.read(ref.step, "tokens", "length", start=start, stop=stop)
     G = cfg.rollout.group_size
-    scores = _score(cfg, policy_path, rows, _records(cfg, policy_path, ref.step, start // G, stop // G))
+    stamp = store.attrs(ref.step).get("data_stamp")
+    scores = _score(cfg, policy_path, rows, _records(cfg, policy_path, ref.step, start // G, stop // G, stamp))
     store.write_rows(ref.step, scores, start=start)
     return reward_statistics(scores["reward"], rows["length"], G, scores["reward_failed"])
 

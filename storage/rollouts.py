@@ -151,8 +151,11 @@ class RolloutStore:
         return StepRef(self.root, step)
 
     # -- creation and completion ------------------------------------------------------------
-    def create_step(self, step: int, layout: StepLayout, policy_version: int, config_hash: str) -> StepRef:
-        """Create (or recreate) the arrays of a step. Existing complete stages are forgotten."""
+    def create_step(self, step: int, layout: StepLayout, policy_version: int, config_hash: str,
+                    data_stamp: str = "") -> StepRef:
+        """Create (or recreate) the arrays of a step. Existing complete stages are forgotten.
+        ``data_stamp``: the state of the prompt data's files when the step was made (the tasks key
+        their opened prompt source on it instead of walking the files each)."""
         try:
             # The arrays' metadata files are written concurrently: one after another they were
             # ~40% of this call (12 arrays).
@@ -164,6 +167,7 @@ class RolloutStore:
                 "chunk_samples": layout.chunk_samples,
                 "policy_version": policy_version,
                 "config_hash": config_hash,
+                "data_stamp": data_stamp,
                 "complete": [],
             }))
         except Exception as exc:

@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from storage.rollouts import RolloutStore  # noqa: E402
 
-__all__ = ["step_parts", "run_parts"]
+__all__ = ["PARTS", "TILES", "step_parts", "run_parts"]
 
 # (key, label, indent): the order printed; an indented part is one of the part above it.
 PARTS = (
@@ -66,9 +66,13 @@ def _last(results: list[dict]) -> dict:
 
 def step_parts(previous: dict, attrs: dict) -> dict[str, float] | None:
     """The parts (seconds) of the window of the step whose step-group attributes are ``attrs``,
-    ``previous`` the previous step's; None when the two steps overlap. ``window`` is their sum."""
-    trains, rollouts = attrs["results_train"], attrs["results_rollout"]
-    t0 = max(r["task_end"] for r in previous["results_train"])
+    ``previous`` the previous step's; None when the two steps overlap or a step stored no task
+    times for a stage. ``window`` is their sum."""
+    trains, rollouts = attrs.get("results_train"), attrs.get("results_rollout")
+    before = previous.get("results_train")
+    if not (trains and rollouts and before):
+        return None
+    t0 = max(r["task_end"] for r in before)
     r0, r1 = min(r["task_start"] for r in rollouts), max(r["task_end"] for r in rollouts)
     s0, t1 = min(r["task_start"] for r in trains), max(r["task_end"] for r in trains)
     if not t0 <= r0 <= r1 <= s0 <= t1:
@@ -104,8 +108,8 @@ def step_parts(previous: dict, attrs: dict) -> dict[str, float] | None:
 
 
 def run_parts(run_dir: str | Path, skip: int = 1) -> tuple[dict[int, dict[str, float]], list[int]]:
-    """({step: parts}, overlapping steps) of a run folder's steps from ``skip`` on (step 0 has no
-    window; the first windows hold start-up)."""
+    """({step: parts}, the steps with no single path (:func:`step_parts` gave None)) of a run
+    folder's steps from ``skip`` on (step 0 has no window; the first windows hold start-up)."""
     store = RolloutStore(Path(run_dir) / "rollouts.zarr")
     steps = [s for s in store.steps() if "train" in store.completed(s)]
     out, overlapping = {}, []
@@ -130,8 +134,9 @@ def main() -> None:
         p.error(f"{args.run_dir}: not a run folder (no rollouts.zarr)")
     by_step, overlapping = run_parts(args.run_dir, args.skip)
     if overlapping:
-        print(f"{len(overlapping)} steps overlap the step before them (rollout.max_staleness >= 1) and have no "
-              f"single path: left out ({', '.join(map(str, overlapping[:10]))}{' ...' if len(overlapping) > 10 else ''})")
+        print(f"{len(overlapping)} steps have no single path (their tasks overlap the step before: "
+              f"rollout.max_staleness >= 1, or a step rerun; or they stored no task times): left out "
+              f"({', '.join(map(str, overlapping[:10]))}{' ...' if len(overlapping) > 10 else ''})")
     if not by_step:
         sys.exit(f"{args.run_dir}: no step to break down")
     keys = [k for k, _, _ in PARTS if any(k in s for s in by_step.values())]

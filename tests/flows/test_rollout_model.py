@@ -106,9 +106,11 @@ def test_a_codec_is_loaded_once_per_tokenizer(tmp_path, monkeypatch):
     assert loads == [str(a / "v0"), str(b / "v0"), str(a / "v0"), str(a / "v0")]
 
 
-def test_prompts_are_read_again_once_the_data_file_changes(tmp_path, monkeypatch):
-    """A worker opens the run's prompt source once and keeps it; a data file edited between two runs
-    on one live cluster (a notebook) is read again, not served from the source opened before."""
+@pytest.fixture
+def jsonl_prompts(tmp_path, monkeypatch):
+    """(policy folder, write(addend): the data file with prompts "i+addend=", what the rollout task
+    reads of a run's config) for a jsonl run (which needs an HF model folder besides), with empty
+    codec and source caches."""
     monkeypatch.setattr(tasks, "_CODECS", {})
     monkeypatch.setattr(tasks, "_SOURCES", {})
     policy = tmp_path / "policy" / "v0"
@@ -121,48 +123,42 @@ def test_prompts_are_read_again_once_the_data_file_changes(tmp_path, monkeypatch
                                 for i in range(4)))
 
     write(1)
-    # What the rollout task reads of a run's config (a jsonl run needs an HF model folder besides).
     cfg = SimpleNamespace(dataset=DatasetConfig(kind="jsonl", path=str(data), shuffle=False),
                           task=SimpleNamespace(prompts_per_step=4))
-    first = [r.prompt for r in tasks._records(cfg, str(policy), 0, 0, 4)]
-    assert [r.prompt for r in tasks._records(cfg, str(policy), 1, 0, 4)] == first and len(tasks._SOURCES) == 1
+    return str(policy), write, cfg
+
+
+def test_prompts_are_read_again_once_the_data_file_changes(jsonl_prompts):
+    """A worker opens the run's prompt source once and keeps it; a data file edited between two runs
+    on one live cluster (a notebook) is read again, not served from the source opened before."""
+    policy, write, cfg = jsonl_prompts
+    first = [r.prompt for r in tasks._records(cfg, policy, 0, 0, 4)]
+    assert [r.prompt for r in tasks._records(cfg, policy, 1, 0, 4)] == first and len(tasks._SOURCES) == 1
     write(2)
-    again = [r.prompt for r in tasks._records(cfg, str(policy), 0, 0, 4)]
+    again = [r.prompt for r in tasks._records(cfg, policy, 0, 0, 4)]
     assert sorted(again) == [f"{i}+2=" for i in range(4)] and sorted(first) == [f"{i}+1=" for i in range(4)]
     assert len(tasks._SOURCES) == 2
 
 
-def test_tasks_take_the_data_stamp_the_step_was_made_with(tmp_path, monkeypatch):
+def test_tasks_take_the_data_stamp_the_step_was_made_with(jsonl_prompts, monkeypatch):
     """The driver stamps the prompt data's files as it makes a step and stores the stamp with the
     step; the tasks key their opened source on it, so a folder of many files is walked once a step,
     not by every task. A file edited before the next step is made is read at that step."""
-    monkeypatch.setattr(tasks, "_CODECS", {})
-    monkeypatch.setattr(tasks, "_SOURCES", {})
-    policy = tmp_path / "policy" / "v0"
-    policy.mkdir(parents=True)
-    (policy / "tokenizer.json").write_text(make_tokenizer_json())
-    data = tmp_path / "data.jsonl"
-
-    def write(addend: int) -> None:
-        data.write_text("".join(json.dumps({"prompt": f"{i}+{addend}=", "answer": "0"}) + "\n" for i in range(4)))
-
-    write(1)
-    cfg = SimpleNamespace(dataset=DatasetConfig(kind="jsonl", path=str(data), shuffle=False),
-                          task=SimpleNamespace(prompts_per_step=4))
+    policy, write, cfg = jsonl_prompts
     walks = []
     stamp = tasks.data_stamp(cfg)
     real = tasks.dataset_stamp
     monkeypatch.setattr(tasks, "dataset_stamp", lambda d: walks.append(d) or real(d))
-    first = [r.prompt for r in tasks._records(cfg, str(policy), 0, 0, 4, stamp)]
-    assert [r.prompt for r in tasks._records(cfg, str(policy), 1, 0, 4, stamp)] == first
+    first = [r.prompt for r in tasks._records(cfg, policy, 0, 0, 4, stamp)]
+    assert [r.prompt for r in tasks._records(cfg, policy, 1, 0, 4, stamp)] == first
     assert walks == [] and len(tasks._SOURCES) == 1  # the step's stamp: no walk, one source
     write(2)
     assert tasks.data_stamp(cfg) != stamp  # the next step's stamp, taken by the driver
-    again = [r.prompt for r in tasks._records(cfg, str(policy), 2, 0, 4, tasks.data_stamp(cfg))]
+    again = [r.prompt for r in tasks._records(cfg, policy, 2, 0, 4, tasks.data_stamp(cfg))]
     assert sorted(again) == sorted(p.replace("+1=", "+2=") for p in first) and len(tasks._SOURCES) == 2
     # A step stored without a stamp: the task takes one itself.
     walks.clear()
-    assert [r.prompt for r in tasks._records(cfg, str(policy), 2, 0, 4)] == again and len(walks) == 1
+    assert [r.prompt for r in tasks._records(cfg, policy, 2, 0, 4)] == again and len(walks) == 1
 
 
 def test_a_made_step_stores_the_data_stamp(tmp_path):

@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from storage.rollouts import RolloutStore  # noqa: E402
 
-__all__ = ["PARTS", "TILES", "step_parts", "run_parts"]
+__all__ = ["PARTS", "TILES", "step_parts", "run_parts", "medians"]
 
 # (key, label, indent): the order printed; an indented part is one of the part above it.
 PARTS = (
@@ -124,6 +124,12 @@ def run_parts(run_dir: str | Path, skip: int = 1) -> tuple[dict[int, dict[str, f
     return out, overlapping
 
 
+def medians(by_step: dict[int, dict[str, float]]) -> dict[str, float]:
+    """Each part's median over the steps that have it (``window`` included)."""
+    keys = {k for parts in by_step.values() for k in parts}
+    return {k: statistics.median(p[k] for p in by_step.values() if k in p) for k in keys}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("run_dir", help="a run folder (RUNS_DIR/RUN_NAME)")
@@ -139,14 +145,14 @@ def main() -> None:
               f"({', '.join(map(str, overlapping[:10]))}{' ...' if len(overlapping) > 10 else ''})")
     if not by_step:
         sys.exit(f"{args.run_dir}: no step to break down")
-    keys = [k for k, _, _ in PARTS if any(k in s for s in by_step.values())]
+    med = medians(by_step)
+    keys = [k for k, _, _ in PARTS if k in med]
     labels = {k: ("&nbsp;&nbsp;" * indent) + label for k, label, indent in PARTS}
-    med = {k: statistics.median(s[k] for s in by_step.values()) for k in keys + ["window"]}
     print(f"{args.run_dir}: steps {min(by_step)}-{max(by_step)} ({len(by_step)}), medians in ms "
           f"(min - max); the unindented parts tile the window\n")
     print("| part | ms | min - max |\n| --- | --- | --- |")
     for k in keys:
-        values = [s[k] for s in by_step.values()]
+        values = [s[k] for s in by_step.values() if k in s]
         print(f"| {labels[k]} | {med[k] * 1e3:.1f} | {min(values) * 1e3:.1f} - {max(values) * 1e3:.1f} |")
     windows = [s["window"] for s in by_step.values()]
     print(f"| **window** | **{med['window'] * 1e3:.1f}** | {min(windows) * 1e3:.1f} - {max(windows) * 1e3:.1f} |")
@@ -155,7 +161,8 @@ def main() -> None:
     if args.steps:
         print("\n| step | " + " | ".join(k for k in keys) + " | window |\n|" + " --- |" * (len(keys) + 2))
         for step, s in by_step.items():
-            print(f"| {step} | " + " | ".join(f"{s[k] * 1e3:.1f}" for k in keys) + f" | {s['window'] * 1e3:.1f} |")
+            print(f"| {step} | " + " | ".join(f"{s[k] * 1e3:.1f}" if k in s else "" for k in keys)
+                  + f" | {s['window'] * 1e3:.1f} |")
 
 
 if __name__ == "__main__":

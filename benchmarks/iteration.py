@@ -65,7 +65,7 @@ from stages.train.batch import BucketedBatch, build_global_batch
 from stages.train.loss import TARGET_FIELDS, grpo_microbatch_loss, token_logp
 from storage.policies import load_model_folder
 
-from critical_path import PARTS, run_parts
+from critical_path import PARTS, medians, run_parts
 
 _NEXT = TARGET_FIELDS.index("next_id")
 
@@ -261,9 +261,7 @@ def _measure(args, runs_dir: str) -> tuple[list[dict], GRPOConfig]:
 def _path_medians(run_dir: str) -> dict[str, float]:
     """Medians over the run's steps (the first dropped) of its window's parts
     (benchmarks/critical_path.py); empty when its steps overlap."""
-    by_step, _ = run_parts(run_dir, skip=1)
-    keys = {k for parts in by_step.values() for k in parts}
-    return {k: statistics.median(p[k] for p in by_step.values() if k in p) for k in keys}
+    return medians(run_parts(run_dir, skip=1)[0])
 
 
 def _report(scenario: str, reps: list[dict], overlapping: bool = False) -> None:

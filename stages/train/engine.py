@@ -375,11 +375,13 @@ class TrainRank:
         inputs = [(getattr(p, "num_microbatches", None),
                    {"input_ids": p.input_ids, "target": p.target, **getattr(p, "stage_kwargs", lambda: {})()})
                   for p in passes]
+        # The input check is a collective: every rank leaves it together, the common start that
+        # makes every rank's window measure the same step (no barrier of its own: each collective
+        # is one more wait for the rank a busy host scheduled last).
         local_passes = self._pass_inputs(call, "train", inputs)
         self.optimizer.zero_grad(set_to_none=True)
         self.timeline.clear()
         stats: list[LossStats] = []
-        dist.barrier()  # a common start, so every rank's window measures the same step
         t0 = self._now_ns()
         for key, m, local in local_passes:  # gradients accumulate over the passes
             schedule = self._schedule_for("train", key, m)

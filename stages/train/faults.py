@@ -3,7 +3,8 @@
 Two ways a distributed step goes wrong, and what each rank does:
 
 1. The ranks were given inputs that do not agree (batch shape, microbatch count, keyword
-   tensors). Before the pipeline runs, every rank all-gathers a small signature of its inputs
+   tensors). Before the pipeline runs, every rank all-gathers a digest of a small signature of
+   its inputs, and the signatures themselves when the digests differ
    (:meth:`StepGuard.check_inputs`); all ranks see the same table and raise the same
    :class:`InputMismatchError` naming the odd rank and field. The process group stays healthy.
 2. A rank fails mid-step (an exception, or a peer that never answers). The rank posts
@@ -23,6 +24,8 @@ the above.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 from contextlib import contextmanager
@@ -96,11 +99,18 @@ class StepGuard:
         self.aborted: Optional[str] = None
 
     def check_inputs(self, call: int, signature: dict[str, str]) -> None:
-        """Raise :class:`InputMismatchError` on every rank if any rank's signature differs."""
+        """Raise :class:`InputMismatchError` on every rank if any rank's signature differs. The
+        ranks all-gather a sha256 of their signature, one collective of 32 bytes each (each
+        collective a rank waits in is a chance for a busy host to deschedule one of them); only
+        when the digests differ do they gather the signatures themselves, to name what differs."""
+        mine = hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).digest()
+        digest = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+        digests = [torch.empty_like(digest) for _ in range(self.world_size)]
+        dist.all_gather(digests, digest)
+        if all(torch.equal(d, digests[0]) for d in digests):
+            return
         table: list[Optional[dict[str, str]]] = [None] * self.world_size
         dist.all_gather_object(table, signature)
-        if all(t == table[0] for t in table):
-            return
         raise InputMismatchError(f"call {call}: training inputs disagree across ranks: "
                                  + _describe_mismatch(table)
                                  + "; every rank must build the same global batch (same step, same config)")

@@ -1,0 +1,82 @@
+"""What a hop between dependent tasks costs on the embedded cluster, with nothing else running.
+
+A step of the tiny config is three hops long besides its tasks (benchmarks/critical_path.py):
+the training ranks' tasks -> publish (a plain worker) -> the rollout tasks (on the training
+workers, colocated) -> the training ranks' tasks. This starts the tiny config's embedded cluster
+(flows/cluster.py, the same workers and settings as ``grpoflow run``), submits ``--steps`` rings of
+empty tasks shaped like that graph (two per training stage, one on each training worker; one
+publish on the plain worker, waiting on both), and prints the median of each hop: the dependent
+task's start minus the end of the last task it waited on, both timed inside the tasks. It is the
+floor of the hops a step's window pays when its tasks do work (docs/performance.md).
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/dask_hop.py --steps 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from flows.cluster import check_pools, start_cluster, worker_addresses  # noqa: E402
+from flows.config import load_config  # noqa: E402
+
+_HOPS = ("train -> publish", "publish -> rollout", "rollout -> train")
+
+
+def _task(*deps: tuple[float, float]) -> tuple[float, float]:
+    """(start, end) of an empty task; ``deps``: the (start, end) of the tasks it waited on."""
+    t = time.time()
+    return t, time.time()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--skip", type=int, default=3, help="first rings left out (warm-up)")
+    args = parser.parse_args()
+    cfg = load_config("configs/tiny.yaml", [])
+    client, cluster = start_cluster(cfg)
+    try:
+        pools = check_pools(client, cfg)
+        where = worker_addresses(client)
+        train = [where[name] for name in pools.train]
+        plain = [where[name] for name in pools.plain] or train[:1]
+        client.gather([client.submit(_task, workers=[w], pure=False) for w in train + plain])  # every worker up
+        on = lambda w: dict(workers=[w], pure=False)  # noqa: E731
+        trains = [client.submit(_task, **on(w)) for w in train]
+        rings = []
+        for _ in range(args.steps):
+            publish = client.submit(_task, *trains, **on(plain[0]))
+            rollouts = [client.submit(_task, publish, **on(w)) for w in train]
+            trains = [client.submit(_task, *rollouts, **on(w)) for w in train]
+            rings.append((publish, rollouts, trains))
+        prev_end = None
+        hops: dict[str, list[float]] = {h: [] for h in _HOPS}
+        for i, (publish, rollouts, trains_) in enumerate(rings):
+            p = publish.result()
+            r = client.gather(rollouts)
+            t = client.gather(trains_)
+            if prev_end is not None and i >= args.skip:
+                hops["train -> publish"].append(p[0] - prev_end)
+                hops["publish -> rollout"].append(min(s for s, _ in r) - p[1])
+                hops["rollout -> train"].append(min(s for s, _ in t) - max(e for _, e in r))
+            prev_end = max(e for _, e in t)
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+    print(f"empty tasks, {args.steps - args.skip} rings of the tiny config's graph on its embedded cluster "
+          f"({len(train)} training workers, {len(plain)} plain):")
+    for h in _HOPS:
+        v = hops[h]
+        print(f"  {h}: median {1e3 * statistics.median(v):.1f} ms (min {1e3 * min(v):.1f}, max {1e3 * max(v):.1f})")
+    total = sum(statistics.median(hops[h]) for h in _HOPS)
+    print(f"  three hops: {1e3 * total:.1f} ms a step")
+
+
+if __name__ == "__main__":
+    main()

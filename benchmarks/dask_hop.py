@@ -10,6 +10,7 @@ task's start minus the end of the last task it waited on, both timed inside the 
 floor of the hops a step's window pays when its tasks do work (docs/performance.md).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/dask_hop.py --steps 40
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/dask_hop.py --steps 40 --set distributed.scheduler.work-stealing=false
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from flows.cluster import check_pools, start_cluster, worker_addresses  # noqa: E402
+from flows.cluster import CLUSTER_TIMERS, check_pools, start_cluster, worker_addresses  # noqa: E402
 from flows.config import load_config  # noqa: E402
 
 _HOPS = ("train -> publish", "publish -> rollout", "rollout -> train")
@@ -37,9 +40,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--skip", type=int, default=3, help="first rings left out (warm-up)")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="Dask config settings for the cluster's servers, on top of flows/cluster.py's")
     args = parser.parse_args()
+    if args.steps <= args.skip + 1:
+        parser.error(f"--steps {args.steps} leaves no ring to measure after --skip {args.skip}")
     cfg = load_config("configs/tiny.yaml", [])
-    client, cluster = start_cluster(cfg)
+    settings = dict(CLUSTER_TIMERS)
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--set {item!r} is not KEY=VALUE")
+        settings[key] = yaml.safe_load(value)
+    client, cluster = start_cluster(cfg, settings)
     try:
         pools = check_pools(client, cfg)
         where = worker_addresses(client)

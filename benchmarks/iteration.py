@@ -278,13 +278,12 @@ def _report(scenario: str, reps: list[dict], overlapping: bool = False) -> None:
     else:
         print(f"grpoflow outside rollout/reference/train compute: {1 - compute / f['step_window_seconds']:.1%}")
     print("baseline: " + ", ".join(f"{k} {v:.3f}" for k, v in b.items()))
-    paths = [r["flow_path"] for r in reps if r.get("flow_path")]
-    if paths:  # where grpoflow's window goes, median over the reps of each rep's median
+    path = medians(dict(enumerate(r["flow_path"] for r in reps if r.get("flow_path"))))
+    if path:  # where grpoflow's window goes, median over the reps of each rep's median
         print("grpoflow step window by part (ms; benchmarks/critical_path.py, indented: within the part above):")
         for key, label, indent in [*PARTS, ("window", "window", 0)]:
-            values = [p[key] for p in paths if key in p]
-            if values:
-                print(f"  {'  ' * indent}{label}: {statistics.median(values) * 1e3:.1f}")
+            if key in path:
+                print(f"  {'  ' * indent}{label}: {path[key] * 1e3:.1f}")
 
 
 if __name__ == "__main__":

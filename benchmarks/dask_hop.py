@@ -11,6 +11,11 @@ floor of the hops a step's window pays when its tasks do work (docs/performance.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/dask_hop.py --steps 40
     PYTHONPATH=$PWD .venv/bin/python benchmarks/dask_hop.py --steps 40 --set distributed.scheduler.work-stealing=false
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/dask_hop.py --steps 40 --unbatched
+
+``--unbatched``: the scheduler's and the workers' messages go at once instead of being batched
+over distributed's fixed intervals (5 ms from the scheduler, 2 ms from a worker; no config key),
+by two plugins that set those streams' ``interval`` to 0 (docs/performance.md, "The hops' floor").
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import time
 from pathlib import Path
 
 import yaml
+from distributed import SchedulerPlugin, WorkerPlugin
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from flows.cluster import CLUSTER_TIMERS, check_pools, start_cluster, worker_addresses  # noqa: E402
@@ -36,12 +42,37 @@ def _task(*deps: tuple[float, float]) -> tuple[float, float]:
     return t, time.time()
 
 
+class _UnbatchedScheduler(SchedulerPlugin):
+    """The scheduler's streams to the workers, those it holds and those of workers joining later,
+    send each message at once."""
+
+    name = "dask-hop-unbatched-scheduler"
+
+    async def start(self, scheduler) -> None:
+        for stream in scheduler.stream_comms.values():
+            stream.interval = 0.0
+
+    def add_worker(self, scheduler, worker: str) -> None:
+        scheduler.stream_comms[worker].interval = 0.0
+
+
+class _UnbatchedWorker(WorkerPlugin):
+    """A worker's stream to the scheduler sends each message at once."""
+
+    name = "dask-hop-unbatched-worker"
+
+    def setup(self, worker) -> None:
+        worker.batched_stream.interval = 0.0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--skip", type=int, default=3, help="first rings left out (warm-up)")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="Dask config settings for the cluster's servers, on top of flows/cluster.py's")
+    parser.add_argument("--unbatched", action="store_true",
+                        help="the scheduler's and workers' messages sent at once (module docstring)")
     args = parser.parse_args()
     if args.steps <= args.skip + 1:
         parser.error(f"--steps {args.steps} leaves no ring to measure after --skip {args.skip}")
@@ -54,6 +85,9 @@ def main() -> None:
         settings[key] = yaml.safe_load(value)
     client, cluster = start_cluster(cfg, settings)
     try:
+        if args.unbatched:
+            client.register_plugin(_UnbatchedScheduler())
+            client.register_plugin(_UnbatchedWorker())
         pools = check_pools(client, cfg)
         where = worker_addresses(client)
         train = [where[name] for name in pools.train]
@@ -83,7 +117,7 @@ def main() -> None:
         if cluster is not None:
             cluster.close()
     print(f"empty tasks, {args.steps - args.skip} rings of the tiny config's graph on its embedded cluster "
-          f"({len(train)} training workers, {len(plain)} plain):")
+          f"({len(train)} training workers, {len(plain)} plain){', unbatched' if args.unbatched else ''}:")
     for h in _HOPS:
         v = hops[h]
         print(f"  {h}: median {1e3 * statistics.median(v):.1f} ms (min {1e3 * min(v):.1f}, max {1e3 * max(v):.1f})")

@@ -13,6 +13,7 @@ gives every rank a fresh process to be rebuilt in.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import time
@@ -92,9 +93,22 @@ class _NannyCluster(SpecCluster):
         Cluster._update_worker_status(self, op, msg)  # the scheduler's view only; no nanny closed
 
 
-def _worker(resources: dict[str, int]) -> dict:
-    # One thread per worker process: torch ops inside use that process's own threads.
-    return {"cls": Nanny, "options": {"nthreads": 1, "resources": resources, "memory_limit": 0}}
+def _worker(resources: dict[str, int], listen: str) -> dict:
+    # One thread per worker process: torch ops inside use that process's own threads. The nanny
+    # hands ``host`` to its worker; without it the worker's comm and dashboard bind every interface.
+    return {"cls": Nanny, "options": {"nthreads": 1, "resources": resources, "memory_limit": 0, "host": listen,
+                                      "dashboard_address": _with_port(listen, 0)}}
+
+
+def _with_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def start_cluster(cfg: GRPOConfig, timers: dict[str, str] = CLUSTER_TIMERS) -> tuple[Client, SpecCluster | None]:
@@ -104,21 +118,25 @@ def start_cluster(cfg: GRPOConfig, timers: dict[str, str] = CLUSTER_TIMERS) -> t
         client = Client(cfg.cluster.scheduler_address, timeout="30s")
         _announce_dashboard(client)
         return client, None
+    listen = cfg.cluster.listen
+    if not _is_loopback(listen):
+        log.warning("cluster.listen=%s: the run's scheduler, workers and TCPStores accept connections from "
+                    "every host that reaches %s, without authentication (docs/reliability.md)", listen, listen)
     workers: dict[str, dict] = {}
     for rank in range(cfg.train.world_size):
         res = {"train": 1}
         if cfg.cluster.colocated_pools and rank < cfg.rollout.num_engines:
             res["rollout"] = 1
-        workers[f"train-{rank}"] = _worker(res)
+        workers[f"train-{rank}"] = _worker(res, listen)
     if not cfg.cluster.colocated_pools:
         for i in range(cfg.rollout.num_engines):
-            workers[f"rollout-{i}"] = _worker({"rollout": 1})
+            workers[f"rollout-{i}"] = _worker({"rollout": 1}, listen)
     for i in range(cfg.cluster.num_plain_workers):
-        workers[f"plain-{i}"] = _worker({})
+        workers[f"plain-{i}"] = _worker({}, listen)
     # Worker processes configure logging when they import distributed, from the environment.
     os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
     dask.config.set({"logging.distributed": "warning"})
-    scheduler = {"cls": Scheduler, "options": {"dashboard_address": "127.0.0.1:0", "host": "127.0.0.1"}}
+    scheduler = {"cls": Scheduler, "options": {"dashboard_address": _with_port(listen, 0), "host": listen}}
     for name in ("distributed.worker", "distributed.nanny", "distributed.scheduler", "distributed.core"):
         logging.getLogger(name).setLevel(logging.WARNING)
     # The nanny reads these when it is made and sets them before every (re)start of its worker; a

@@ -106,7 +106,8 @@ def _init_ranks(client, cfg: GRPOConfig, pools: Pools, policy: PolicyRef) -> Non
     # train.timeout_s bounds the rendezvous only, not a cold torch import on a loaded host.
     addresses = list(pools.train_addresses)
     client.run(tasks.worker_ready, workers=addresses)
-    port = client.submit(free_port, workers=addresses[:1], pure=False).result(timeout=cfg.cluster.worker_wait_s)
+    port = client.submit(free_port, pools.train_host, workers=addresses[:1],
+                         pure=False).result(timeout=cfg.cluster.worker_wait_s)
     init_method = f"tcp://{pools.train_host}:{port}"
     reference = run_folder(cfg).policy_store().ref(0)  # the run's reference, whatever version resumes
     futures = [client.submit(tasks.init_train_rank, cfg, r, init_method, policy, reference, workers=[w],

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import ipaddress
 import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -34,6 +35,15 @@ def _first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
+def _is_host(value: str) -> bool:
+    """An IP address, or a host name (letters, digits, '-' and '.')."""
+    try:
+        ipaddress.ip_address(value)
+        return True
+    except ValueError:
+        return bool(value) and all(part and part.replace("-", "").isalnum() for part in value.split("."))
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
@@ -43,6 +53,14 @@ def _require(ok: bool, message: str) -> None:
 class ClusterConfig:
     scheduler_address: Optional[str] = None
     """Connect to this Dask scheduler instead of starting an embedded local cluster."""
+    listen: str = "127.0.0.1"
+    """Embedded cluster: the address every server of the run listens on: the scheduler, each nanny
+    and worker, their dashboards, and (through rank 0's worker address) the training ranks' and the
+    weight sync's TCPStores. Dask's protocol and the TCPStore have no authentication: whoever
+    reaches a worker's port can run code in it. Loopback keeps that to this machine; any other
+    address exposes the run to everyone who can reach that interface. Runs across hosts use
+    cluster.scheduler_address with workers started there, over TLS (docs/reliability.md); the
+    TCPStores then listen on rank 0's worker address only."""
     num_plain_workers: int = 1
     """Embedded cluster: workers without resources (reward, advantage, IO)."""
     placement: str = "decoupled"
@@ -92,6 +110,9 @@ class ClusterConfig:
         _require(self.rollout_threads >= 0, f"cluster.rollout_threads={self.rollout_threads} must be >= 0 (0: auto)")
         _require(self.train_threads >= 0, f"cluster.train_threads={self.train_threads} must be >= 0 (0: auto)")
         _require(self.num_plain_workers >= 0, "cluster.num_plain_workers must be >= 0")
+        _require(_is_host(self.listen),
+                 f"cluster.listen={self.listen!r} must be an IP address or host name without a port "
+                 "(127.0.0.1: this machine only)")
         _require(self.iteration_timeout_s > 0, "cluster.iteration_timeout_s must be > 0")
         _require(self.max_restarts >= 0, "cluster.max_restarts must be >= 0 (0: a lost training worker fails the run)")
         _require(self.worker_wait_s > 0, "cluster.worker_wait_s must be > 0")

@@ -62,7 +62,7 @@ def open_channel(client: Client, cfg: GRPOConfig, pools: Pools, policy: PolicyRe
         return
     c = cfg.cluster
     train0 = pools.train_addresses[0]
-    port = client.submit(free_port, workers=[train0], pure=False).result(timeout=c.worker_wait_s)
+    port = client.submit(free_port, pools.train_host, workers=[train0], pure=False).result(timeout=c.worker_wait_s)
     now = worker_addresses(client)
     engines = {name: now[name] for name in pools.rollout if name in now}
     if len(engines) < len(pools.rollout):

@@ -127,3 +127,42 @@ def assert_same_runs(a: Path, b: Path, steps: int, min_weight_files: int) -> Non
     assert len(shared) >= min_weight_files and {k: sha_a[k] for k in shared} == {k: sha_b[k] for k in shared}
     # A file only one run holds is optimiser state the other deleted (a path that logs no steps keeps it all).
     assert all(dropped(b, k) for k in sha_a.keys() - shared) and all(dropped(a, k) for k in sha_b.keys() - shared)
+
+
+class ListeningSockets:
+    """Every listening TCP socket of this process and its descendants, sampled every
+    ``interval_s`` while the context is open: {(pid, ip, port)}."""
+
+    def __init__(self, interval_s: float = 0.05):
+        import threading
+
+        self.seen: set[tuple[int, str, int]] = set()
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _sample(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        for proc in [me, *me.children(recursive=True)]:
+            try:
+                for c in proc.net_connections("inet"):
+                    if c.status == psutil.CONN_LISTEN:
+                        self.seen.add((proc.pid, c.laddr.ip, c.laddr.port))
+            except psutil.Error:  # a process that ended between the listing and the look
+                pass
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self._sample()
+
+    def __enter__(self) -> "ListeningSockets":
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()

@@ -1,8 +1,8 @@
 """Rendezvous of a weight-sync channel: its store, the signature exchange and its process groups.
 
-Pipeline rank 0 hosts a TCPStore at ``init_method``; every side posts its signature under
-``join/<side>``, waits (bounded) for all the others', and plans the sync from the same table
-(stages/sync/plan.py). The groups are built directly as ProcessGroupGloo / ProcessGroupNCCL objects
+Pipeline rank 0 hosts a TCPStore at ``init_method``, listening on that address only
+(stages/tcp_store.py); every side posts its signature under ``join/<side>``, waits (bounded) for all
+the others', and plans the sync from the same table (stages/sync/plan.py). The groups are built directly as ProcessGroupGloo / ProcessGroupNCCL objects
 on a PrefixStore, not through ``init_process_group``: a training rank already belongs to the
 training world and an engine to none, and such a group needs neither.
 """
@@ -13,13 +13,13 @@ import json
 import logging
 import time
 from datetime import timedelta
-from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 
 from stages.sync.config import WeightSyncConfig, WeightSyncError
 from stages.sync.plan import SyncPlan, TensorSpec, plan_sync
+from stages.tcp_store import tcp_store
 
 __all__ = ["resolve_backend", "open_store", "join", "new_group", "first_line"]
 
@@ -38,10 +38,8 @@ def resolve_backend(cfg: WeightSyncConfig, device: torch.device) -> str:
 
 
 def open_store(cfg: WeightSyncConfig, host: bool) -> dist.Store:
-    url = urlparse(cfg.init_method)
     try:
-        store = dist.TCPStore(url.hostname, url.port, cfg.num_sources + cfg.num_engines, is_master=host,
-                              timeout=cfg.timeout, wait_for_workers=False)
+        store = tcp_store(cfg.init_method, cfg.num_sources + cfg.num_engines, is_master=host, timeout=cfg.timeout)
     except Exception as exc:
         raise WeightSyncError(f"weight sync channel {cfg.channel!r}: cannot reach the store at {cfg.init_method} "
                               f"within {cfg.timeout_s} s (pipeline rank 0 hosts it): {exc}") from exc

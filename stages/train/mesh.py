@@ -1,7 +1,8 @@
 """Process groups of one training rank: the world, and its pp, dp and tp groups plus the group of
 the two ranks holding a tied embedding, every one with the configured timeout.
 
-Rendezvous: rank 0 hosts a TCPStore at ``init_method`` (tcp://host:port); the world process group
+Rendezvous: rank 0 hosts a TCPStore at ``init_method`` (tcp://host:port), listening on that address
+only (stages/tcp_store.py); the world process group
 uses it under a prefix and the engine keeps it to report failures (stages/train/faults.py).
 Groups are created with ``dist.new_group(..., timeout=...)`` rather than ``init_device_mesh`` so
 every collective and P2P wait is bounded by ``train.timeout_s``; the TP group becomes a 1-D
@@ -13,11 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
-from urllib.parse import urlparse
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from stages.tcp_store import tcp_store
 from stages.train.layout import MeshCoord, ParallelLayout
 
 __all__ = ["RankGroups", "init_rank_groups"]
@@ -40,11 +41,7 @@ class RankGroups:
 
 
 def _store(init_method: str, rank: int, world_size: int, timeout: timedelta) -> dist.Store:
-    url = urlparse(init_method)
-    if url.scheme != "tcp" or not url.hostname or not url.port:
-        raise ValueError(f"init_method={init_method!r} must look like tcp://host:port")
-    return dist.TCPStore(url.hostname, url.port, world_size, is_master=rank == 0, timeout=timeout,
-                         wait_for_workers=False)
+    return tcp_store(init_method, world_size, is_master=rank == 0, timeout=timeout)
 
 
 def init_rank_groups(layout: ParallelLayout, rank: int, init_method: str, timeout: timedelta,

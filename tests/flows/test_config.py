@@ -31,6 +31,8 @@ def test_tiny_config_loads_with_overrides():
     ("cluster.weight_sync=nfs", "cluster.weight_sync"),
     ("cluster.weight_sync_timeout_s=0", "cluster.weight_sync_timeout_s"),
     ("cluster.weight_sync_content_hash=md5", "cluster.weight_sync_content_hash"),
+    ("cluster.listen=127.0.0.1:8786", "cluster.listen"),
+    ("cluster.listen=tcp://0.0.0.0", "cluster.listen"),
 ])
 def test_bad_values_name_the_key_in_one_line(override, key):
     with pytest.raises(ConfigError) as info:

@@ -7,12 +7,14 @@ resumed to 3 gives the same arrays and weights too."""
 
 from __future__ import annotations
 
+import ipaddress
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from conftest import assert_loaded_from, assert_same_runs
+from conftest import ListeningSockets, assert_loaded_from, assert_same_runs
 from flows import tasks
 from flows.cluster import check_pools, start_cluster
 from flows.config import load_config
@@ -25,6 +27,7 @@ pytestmark = pytest.mark.slow
 
 ITERATIONS = 3
 ENGINES = 2  # as configs/tiny.yaml: colocated with the two training ranks
+_SOCKETS: set[tuple[int, str, int]] = set()  # (pid, ip, port) listening while the loop ran
 
 
 def _config(runs_dir: Path):
@@ -58,7 +61,9 @@ def two_paths(tmp_path_factory):
     try:
         shared = replace(cfg.cluster, scheduler_address=cluster.scheduler_address)
         loop_cfg = replace(cfg, cluster=shared)
-        summary = run(loop_cfg, progress=False)
+        with ListeningSockets() as sockets:
+            summary = run(loop_cfg, progress=False)
+        _SOCKETS.update(sockets.seen)
         ref_cfg = replace(loop_cfg, runs_dir=str(tmp_path_factory.mktemp("reference")))
         _step_by_step(client, ref_cfg, check_pools(client, ref_cfg))
         # Resumed: 2 iterations, then the same run to 3 (a new driver-side channel from v2).
@@ -70,6 +75,18 @@ def two_paths(tmp_path_factory):
     finally:
         client.close()
         cluster.close()
+
+
+def test_every_socket_of_the_run_listens_on_loopback(two_paths):
+    """The scheduler, nannies, workers, their dashboards, the training ranks' process-group store
+    and the weight sync's store: Dask's protocol runs code for whoever reaches a worker, and the
+    TCPStores take writes from anyone, so none may listen beyond this machine."""
+    exposed = sorted({(ip, port) for _, ip, port in _SOCKETS if not ipaddress.ip_address(ip).is_loopback})
+    assert not exposed, f"listening beyond loopback: {exposed}"
+    per_process = Counter(pid for pid, _, _ in _SOCKETS)
+    # The check saw the run: the driver (scheduler, its dashboard, nannies) and each worker
+    # (two training workers, one plain: comm, dashboard), rank 0's also hosting the two TCPStores.
+    assert len(per_process) >= 1 + ENGINES + 1 and max(per_process.values()) >= 4, per_process
 
 
 def _same_run(loop_dir: Path, ref_dir: Path) -> None:

@@ -29,6 +29,7 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import psutil
@@ -37,6 +38,7 @@ from tqdm.auto import tqdm
 
 from flows import tasks, weight_sync
 from flows.background import BackgroundQueue
+from flows.evaluate import EvalScheduler, eval_workers, format_eval, load_eval_results
 from flows.async_schedule import behaviour_version, released_by, trainer_version
 from flows.cluster import (ClusterError, Pools, check_pools, dashboard_link, lost_workers, restart_train_workers,
                            start_cluster)
@@ -69,6 +71,8 @@ class RunSummary:
     stage_seconds: dict[str, list[float]]
     metrics: list[dict[str, float]] = field(default_factory=list)
     policy_path: str = ""
+    eval: dict[int, dict[str, float]] = field(default_factory=dict)
+    """Held-out metrics by policy version (eval.path set)."""
 
     def reward_gain(self) -> tuple[float, float, int]:
         """(mean reward of the first iterations, of the last ones, window): window = a quarter of the
@@ -85,7 +89,7 @@ class RunSummary:
             "iterations": self.iterations, "reward_mean": self.reward_mean, "wall_seconds": self.wall_seconds,
             "stage_seconds": {s: sum(v) for s, v in self.stage_seconds.items()},
             "stage_seconds_per_iteration": self.stage_seconds, "policy_path": self.policy_path,
-            "metrics": self.metrics,
+            "metrics": self.metrics, "eval": {str(v): m for v, m in sorted(self.eval.items())},
         }
 
 
@@ -225,8 +229,12 @@ def run(cfg: GRPOConfig, progress: bool = True) -> RunSummary:
         log.info("starting %d training ranks from policy v%d; %d iterations from step %d",
                  len(pools.train), policy.version, cfg.iterations - first_step, first_step)
         _init_ranks(client, cfg, pools, policy)
+        evals = EvalScheduler(client, cfg, folder, eval_workers(pools))
+        evals.catch_up(policy.version)
         results = _loop(client, cfg, pools, folder, policy, first_step, lineage, progress,
-                        host_cpu=_HostCPU() if cluster is not None else None)
+                        host_cpu=_HostCPU() if cluster is not None else None, on_published=evals.published)
+        for version, metrics in evals.gather(cfg.cluster.iteration_timeout_s).items():
+            lineage.log_eval(version, metrics)
         summary = _summarise(cfg, lineage, uri, folder, results, time.perf_counter() - start)
         summary_path = folder.save_summary(summary.to_json())
         lineage.log_summary({"wall_seconds": summary.wall_seconds, **_idle_fractions(results)}, [summary_path])
@@ -271,7 +279,8 @@ class _HostCPU:
 
 
 def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: PolicyRef, first_step: int,
-          lineage: Lineage, progress: bool, host_cpu: _HostCPU | None = None) -> list[IterationResult]:
+          lineage: Lineage, progress: bool, host_cpu: _HostCPU | None = None,
+          on_published: Callable[[PolicyRef], None] = lambda policy: None) -> list[IterationResult]:
     results: list[IterationResult] = []
     store = folder.rollout_store()
     s = cfg.rollout.max_staleness
@@ -409,6 +418,7 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
         lag = trainer_version(step) - store.read(step, "policy_version")["policy_version"].astype(np.int64)
         result.metrics["staleness_mean"], result.metrics["staleness_max"] = float(lag.mean()), float(lag.max())
         published[result.policy.version] = result.policy
+        on_published(result.policy)
         results.append(result)
         due = len(results) % cfg.mlflow.plot_every_steps == 0
         plot = (due and time.monotonic() >= plotted_at + cfg.mlflow.plot_min_interval_s) or step == cfg.iterations - 1
@@ -519,7 +529,8 @@ def _summarise(cfg: GRPOConfig, lineage: Lineage, tracking_uri: str, folder: Run
         run_name=cfg.run_name, mlflow_run_id=lineage.run_id, tracking_uri=tracking_uri,
         iterations=len(metrics), reward_mean=[m.get("reward_mean", float("nan")) for m in metrics],
         wall_seconds=wall_s, stage_seconds={s: [m.get(f"{s}_seconds", 0.0) for m in metrics] for s in names},
-        metrics=[{"step": step, **m} for step, m in enumerate(metrics)], policy_path=last.path)
+        metrics=[{"step": step, **m} for step, m in enumerate(metrics)], policy_path=last.path,
+        eval=load_eval_results(folder))
 
 
 def format_summary(summary: RunSummary) -> str:
@@ -539,4 +550,6 @@ def format_summary(summary: RunSummary) -> str:
         first, last, w = summary.reward_gain()
         lines.append(f"reward: mean of the first {w} iterations {first:.3f}, of the last {w} {last:.3f} "
                      f"({last - first:+.3f})")
+    if summary.eval:
+        lines.append(format_eval(summary.eval))
     return "\n".join(lines)

@@ -17,6 +17,7 @@ from typing import Any, Optional
 from stages.config import (AdvantageConfig, ConfigError, ModelConfig, RewardConfig, RolloutConfig, TaskConfig,
                            TrainConfig, WarmupConfig)
 from stages.data import DatasetConfig, DatasetError
+from stages.eval import EvalConfig
 from stages.layout import ModelShape, parallel_layout_error, shape_from_hf
 from stages.train.buckets import BucketedLayout, bucketed_layout, microbatches_per_pass
 from stages.train.plan import MicrobatchLayout, microbatch_layout
@@ -171,6 +172,9 @@ class GRPOConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation of the base policy, every eval.every_steps versions and the last one
+    (stages/eval/config.py documents each key; flows/evaluate.py runs it). Off unless eval.path is set."""
     plan: dict[str, Any] = field(default_factory=dict)
     """Planner-only settings (cluster, search, activation accounting; planner/config.py documents
     them). The run ignores this section, so `grpoflow plan` can read the run's own config."""

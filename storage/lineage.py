@@ -263,6 +263,10 @@ class Lineage:
         for path in paths:
             self.client.log_artifact(self.run_id, str(path), "plots")
 
+    def log_eval(self, version: int, metrics: dict[str, float]) -> None:
+        """Held-out metrics of policy ``version`` on the parent, with the version as their step."""
+        self._log(self.run_id, metrics=metrics, step=version)
+
     def log_summary(self, metrics: dict[str, float], artifact_paths: list[str] = ()) -> None:
         self._log(self.run_id, metrics=metrics)
         for path in artifact_paths:

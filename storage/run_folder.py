@@ -2,6 +2,7 @@
 
     <runs_dir>/<run_name>/
         rollouts.zarr/        step groups (storage/rollouts.py)
+        eval.zarr/v<k>/       held-out evaluation of policy version k (storage/evals.py)
         policy/v<k>/          policy versions as HF folders (storage/policies.py)
         timelines/step_<k>.json  Chrome traces of the training ranks
         mlflow.db             MLflow tracking store (when mlflow.tracking_uri is unset)
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from storage.evals import EvalStore
 from storage.policies import PolicyStore
 from storage.rollouts import RolloutStore
 from storage.summary import to_strict_json
@@ -57,6 +59,10 @@ class RunFolder:
     @property
     def rollouts(self) -> str:
         return f"{self.root}/rollouts.zarr"
+
+    @property
+    def evals(self) -> str:
+        return f"{self.root}/eval.zarr"
 
     @property
     def policies(self) -> str:
@@ -102,6 +108,9 @@ class RunFolder:
     # -- stores ---------------------------------------------------------------------------------
     def rollout_store(self) -> RolloutStore:
         return RolloutStore(self.rollouts)
+
+    def eval_store(self) -> EvalStore:
+        return EvalStore(self.evals)
 
     def policy_store(self) -> PolicyStore:
         return PolicyStore(self.policies)

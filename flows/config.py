@@ -18,10 +18,14 @@ def _first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> GRPOConfig:
-    """The frozen config of a run. Raises :class:`ConfigError` with one line naming the bad key."""
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                base: dict | None = None) -> GRPOConfig:
+    """The frozen config of a run (the YAML at ``path``, or ``base``: a config as run.json stores
+    it), with ``overrides``. Raises :class:`ConfigError` with one line naming the bad key."""
     schema = OmegaConf.structured(GRPOConfig)
     layers = [schema]
+    if base is not None:
+        layers.append(OmegaConf.create(base))
     if path is not None:
         path = Path(path)
         if not path.is_file():

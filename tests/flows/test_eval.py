@@ -94,3 +94,38 @@ def test_evaluating_a_version_again_gives_the_same_rows(runs, tmp_path):
         {k: v for k, v in evaluated.eval[2].items() if k != "eval_seconds"}
     # Stored under the same eval config: returned as stored, not generated again.
     assert other.eval_store().metrics(2, eval_config_hash(again)) == metrics
+
+
+def test_grpoflow_eval_on_a_moved_run_folder_recomputes_the_stored_metrics(runs, tmp_path, capsys):
+    import shutil
+
+    from flows.cli import main
+
+    _, with_eval, _, evaluated = runs
+    moved = tmp_path / "elsewhere" / "renamed"
+    shutil.copytree(run_folder(with_eval).root, moved)
+    shutil.rmtree(moved / "eval.zarr")
+    assert main(["eval", str(moved), "--version", "1", "--version", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "eval v1: greedy_accuracy" in out and str(moved / "eval.zarr") in out
+    from storage.evals import EvalStore
+
+    again = EvalStore(moved / "eval.zarr").all_metrics()
+    assert sorted(again) == [1, 2]
+    for v in (1, 2):
+        assert {k: m for k, m in again[v].items() if k != "eval_seconds"} == \
+            {k: m for k, m in evaluated.eval[v].items() if k != "eval_seconds"}
+
+
+def test_grpoflow_eval_refuses_in_one_line(runs, tmp_path, capsys):
+    from flows.cli import main
+
+    _, with_eval, _, _ = runs
+    root = run_folder(with_eval).root
+    cases = [([root, "eval.path=null"], "eval.path is unset"),
+             ([root, "--version", "9"], "no complete policy v9"),
+             ([str(tmp_path)], "holds no run.json")]
+    for argv, message in cases:
+        assert main(["eval", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err, err

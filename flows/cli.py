@@ -147,7 +147,20 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _working_folder_importable() -> None:
+    """Modules in the working folder (``reward.functions: [mytask.rewards:score]`` beside the config)
+    import as they would under ``python -m``: the folder goes first on this process's import path and
+    on PYTHONPATH, which the embedded cluster's workers and their reward processes inherit."""
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if cwd not in parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join([cwd, *parts])
+
+
 def main(argv: list[str] | None = None) -> int:
+    _working_folder_importable()
     parser = argparse.ArgumentParser(prog="grpoflow", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("run", help="run GRPO iterations of a config",

@@ -70,8 +70,9 @@ def resolve_reward(name: str) -> RewardFn:
     try:
         obj: Any = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        raise RewardFunctionError(f"{name!r}: module {module_name!r} not found ({exc}); check the path and that "
-                                  "its package is importable on the workers") from None
+        raise RewardFunctionError(f"{name!r}: module {module_name!r} not found ({exc}); grpoflow imports modules "
+                                  "from the folder it runs in: run it from the folder holding the module's package, "
+                                  "or add that folder to PYTHONPATH (on an existing cluster's workers too)") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise RewardFunctionError(f"{name!r}: {module_name} has no attribute {attr!r}")
@@ -132,6 +133,19 @@ def digit_match(prompt: str, completion: str, answer: Optional[str] = None) -> f
     answer, got = (answer_of(prompt) if answer is None else answer.strip()), completion.strip()
     right = sum(a == b for a, b in zip(reversed(answer), reversed(got)))
     return right / len(answer) - 0.1 * max(0, len(got) - len(answer))
+
+
+@register_reward("last_number")
+def last_number(prompt: str, completion: str, answer: Optional[str] = None) -> float:
+    """1 if the last number in the completion equals the answer (numerically: "81.0" and "81"
+    agree, thousands commas dropped), else 0. For arithmetic, where math_answer would also accept an
+    expression restated at the end ("... so 4 * 8 =" parses as 32), this takes only a number."""
+    if answer is None:
+        raise ValueError("last_number needs the ground truth: set dataset.answer_field")
+    from stages.eval.metrics import final_answer
+
+    got = final_answer(completion, "last_number")
+    return 1.0 if got is not None and got == final_answer(answer, "last_number") else 0.0
 
 
 # Registers math_answer; its heavy import (sympy) happens on first use.

@@ -91,3 +91,34 @@ def test_ui_refuses_a_folder_without_a_tracking_store(tmp_path):
     proc = subprocess.run(GRPOFLOW + ["ui", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "holds no mlflow.db" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_reward_module_in_the_working_folder_is_found(tmp_path):
+    """reward.functions: [mytask.rewards:score] beside the config, grpoflow run from that folder:
+    the driver imports it, and PYTHONPATH carries the folder to the workers' reward processes."""
+    package = tmp_path / "mytask"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "rewards.py").write_text("def score(prompt, completion, answer=None):\n    return 1.0\n")
+    config = Path("configs/tiny.yaml").resolve()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # The installed command, as a user types it (python -m would put the working folder on the path itself).
+    command = [str(Path(sys.executable).parent / "grpoflow"), "config", str(config),
+               "reward.functions=[mytask.rewards:score]"]
+    found = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert found.returncode == 0, found.stderr
+    assert "mytask.rewards:score" in found.stdout
+    elsewhere = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path / "mytask",
+                               env=env)
+    assert elsewhere.returncode == 2 and "PYTHONPATH" in elsewhere.stderr and "\n" not in elsewhere.stderr.strip()
+
+
+def test_the_working_folder_reaches_the_workers_through_pythonpath(monkeypatch, tmp_path):
+    from flows.cli import _working_folder_importable
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", "/somewhere")
+    monkeypatch.setattr("sys.path", list(sys.path))
+    _working_folder_importable()
+    assert os.environ["PYTHONPATH"].split(os.pathsep) == [str(tmp_path), "/somewhere"]
+    assert sys.path[0] == str(tmp_path)

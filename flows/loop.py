@@ -49,7 +49,7 @@ from flows.schema import GRPOConfig, config_hash, config_to_dict
 from stages.policy.tokenizer import TextCodec
 from stages.train.rendezvous import free_port
 from storage.lineage import Lineage, StepRun
-from storage.plots import save_run_plots
+from storage.plots import save_eval_plot, save_run_plots
 from storage.policies import PolicyRef
 from storage.run_folder import RunFolder
 from storage.samples import load_sample_table
@@ -235,6 +235,9 @@ def run(cfg: GRPOConfig, progress: bool = True) -> RunSummary:
                         host_cpu=_HostCPU() if cluster is not None else None, on_published=evals.published)
         for version, metrics in evals.gather(cfg.cluster.iteration_timeout_s).items():
             lineage.log_eval(version, metrics)
+        eval_plot = save_eval_plot(load_eval_results(folder), folder.plots)
+        if eval_plot is not None:
+            lineage.log_plots([eval_plot])
         summary = _summarise(cfg, lineage, uri, folder, results, time.perf_counter() - start)
         summary_path = folder.save_summary(summary.to_json())
         lineage.log_summary({"wall_seconds": summary.wall_seconds, **_idle_fractions(results)}, [summary_path])

@@ -13,9 +13,11 @@ from typing import Sequence
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-__all__ = ["PLOT_FILES", "save_run_plots"]
+__all__ = ["PLOT_FILES", "EVAL_PLOT_FILE", "save_run_plots", "save_eval_plot"]
 
 PLOT_FILES = ("reward.png", "stage_seconds.png", "bubble.png")
+EVAL_PLOT_FILE = "eval.png"
+_EVAL_CURVES = ("eval_greedy_accuracy", "eval_accuracy", "eval_greedy_format_rate", "eval_greedy_truncation_rate")
 _DPI = 100  # 6.4 x 3.6 in -> 640 x 360 px: legible in MLflow's artifact preview, small on disk
 
 
@@ -92,3 +94,25 @@ def save_run_plots(metrics: Sequence[dict[str, float]], out_dir: str | Path, sta
     _stage_seconds(metrics, stages, paths[1])
     _bubble(metrics, paths[2])
     return paths
+
+
+def save_eval_plot(results: dict[int, dict[str, float]], out_dir: str | Path) -> Path | None:
+    """Held-out accuracy (and format and truncation rates) by policy version, as ``eval.png`` under
+    ``out_dir``; None when no version was evaluated."""
+    if not results:
+        return None
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fig = _figure()
+    ax = _axes(fig)
+    versions = sorted(results)
+    for name in _EVAL_CURVES:
+        if all(name in results[v] for v in versions):
+            ax.plot(versions, [results[v][name] for v in versions], marker="o", markersize=3,
+                    label=name.removeprefix("eval_"))
+    ax.set(xlabel="policy version (steps trained)", ylabel="share of held-out prompts", ylim=(0, 1),
+           title="Held-out evaluation")
+    ax.legend(loc="upper left", fontsize="small")
+    path = out / EVAL_PLOT_FILE
+    fig.savefig(path, dpi=_DPI)
+    return path

@@ -129,3 +129,11 @@ def test_grpoflow_eval_refuses_in_one_line(runs, tmp_path, capsys):
         assert main(["eval", *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and "\n" not in err, err
+
+
+def test_the_eval_curve_is_drawn_and_logged(runs):
+    _, with_eval, _, evaluated = runs
+    plot = Path(run_folder(with_eval).plots) / "eval.png"
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    logged = mlflow.MlflowClient(evaluated.tracking_uri).list_artifacts(evaluated.mlflow_run_id, "plots")
+    assert "plots/eval.png" in {a.path for a in logged}

@@ -167,6 +167,33 @@ def test_saved_version_loads_in_transformers(name, tmp_path):
     assert tokenizer.pad_token_id == codec.pad_id and tokenizer.eos_token_id == codec.eos_id
 
 
+def test_a_trained_version_generates_in_transformers_as_in_the_engine(tmp_path):
+    """A policy version taken out of a run (policy/v<k>/, an HF folder) is greedy-decoded by
+    transformers' generate to the very tokens the rollout engine picks (top_k = 1, as eval's
+    greedy completions)."""
+    from stages.rollout import SamplingParams, generate
+
+    source = tmp_path / "source"
+    make_hf_folder(FOLDERS["llama3.1"](), source)
+    ours = runtime_model(source)
+    with torch.no_grad():  # a version that differs from the source, as after a training step
+        for _, p in hf_named_parameters(ours):
+            p.mul_(1.01)
+    _, tokenizer_json, _ = load_model_folder(source, names=set())
+    ref = PolicyStore(tmp_path / "policy").save_policy(3, ours.cfg.to_hf(), tokenizer_json, hf_state(ours),
+                                                       source=source)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(ref.path, attn_implementation="eager").eval()
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, ours.cfg.vocab_size, (n,), generator=gen).tolist() for n in (5, 9, 12)]
+    params = SamplingParams(group_size=1, max_new_tokens=12, top_k=1, pad_id=0)
+    batch = generate(runtime_model(Path(ref.path)), prompts, params, torch.Generator().manual_seed(0))
+    for row, prompt in enumerate(prompts):
+        with torch.no_grad():
+            out = reloaded.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, min_new_tokens=12,
+                                    eos_token_id=None, pad_token_id=0)
+        assert out[0, len(prompt):].tolist() == batch.tokens[row, : batch.length[row]].tolist()
+
+
 def test_a_version_without_a_source_has_no_side_files(tmp_path):
     cfg = make_decoder_config(model_type="qwen3")
     ref = PolicyStore(tmp_path).save_policy(0, cfg.to_hf(), make_tokenizer_json(), hf_state(make_model(cfg)))

@@ -217,3 +217,17 @@ def test_a_parent_gone_during_start_up_leaves_no_reward_folder(tmp_path, prefixe
     child.wait(timeout=60)
     child.stdout.close()
     assert os.path.exists(folder) is not prefixed
+
+
+def test_last_number_takes_the_final_number_only():
+    from stages.reward import resolve_reward
+
+    score = resolve_reward("last_number")
+    assert score(prompt="What is 4 * 8?", completion="4 * 8 = 32", answer="32") == 1.0
+    assert score(prompt="", completion="The sum is 1,081.", answer="1081") == 1.0
+    assert score(prompt="", completion="81.0", answer="81") == 1.0
+    # An expression restated at the end is no answer (math_answer would evaluate it to 32).
+    assert score(prompt="What is 4 * 8?", completion="So, 4 * 8 =", answer="32") == 0.0
+    assert score(prompt="", completion="no idea", answer="81") == 0.0
+    with pytest.raises(ValueError, match="answer_field"):
+        score(prompt="", completion="3")

@@ -209,11 +209,15 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=_cmd_eval)
     args = parser.parse_args(argv)
     from flows.schema import ConfigError
+    from storage.run_folder import RunFolderError
 
     try:
         return args.fn(args)
     except ConfigError as exc:
         print(f"grpoflow: config error: {exc}", file=sys.stderr)
+        return 2
+    except RunFolderError as exc:
+        print(f"grpoflow: {exc}", file=sys.stderr)
         return 2
 
 

@@ -201,7 +201,13 @@ def _stop_with_driver(client, cluster) -> None:
 
 def run(cfg: GRPOConfig, progress: bool = True) -> RunSummary:
     """Run ``cfg.iterations`` GRPO iterations; writes the run folder's summary.json. Bad inputs are
-    refused before anything is written (flows/preflight.py)."""
+    refused before anything is written (flows/preflight.py); so is a second driver of the same run
+    folder, which the first holds locked for its life (a RunFolderError naming its pid)."""
+    with run_folder(cfg).lock():
+        return _run(cfg, progress)
+
+
+def _run(cfg: GRPOConfig, progress: bool) -> RunSummary:
     start = time.perf_counter()
     folder = run_folder(cfg)
     state = preflight(cfg, folder)

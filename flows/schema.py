@@ -185,6 +185,10 @@ class GRPOConfig:
             self.run_name and all(c.isalnum() or c in "-_." for c in self.run_name),
             f"run_name={self.run_name!r} may hold only letters, digits, '-', '_' and '.'",
         )
+        # '.' and '..' would put the run into runs_dir itself or its parent; '_cache' and '_eval'
+        # are runs_dir's shared folders (storage/run_folder.py, grpoflow eval).
+        _require(not self.run_name.startswith(".") and self.run_name not in ("_cache", "_eval"),
+                 f"run_name={self.run_name!r} may not start with '.' nor be _cache or _eval (folders of runs_dir)")
         self._check_dataset()
         self._check_parallel_layout()
         self._check_placement()

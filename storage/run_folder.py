@@ -9,6 +9,7 @@
         mlartifacts/          MLflow artifacts
         summary.json          the run's summary
         run.json              the config the run was started with, its hash and MLflow parent run id
+    <runs_dir>/.<run_name>.lock  held by the one driver of the run (:meth:`RunFolder.lock`)
     <runs_dir>/_cache/        base policies shared by runs (or $GRPOFLOW_CACHE)
 
 Nothing else in the code base spells these names; flows, the CLI, tests and the notebook ask a
@@ -17,11 +18,13 @@ Nothing else in the code base spells these names; flows, the CLI, tests and the 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from storage.evals import EvalStore
 from storage.policies import PolicyStore
@@ -116,6 +119,37 @@ class RunFolder:
         return PolicyStore(self.policies)
 
     # -- run-level files ------------------------------------------------------------------------
+    @property
+    def lock_file(self) -> str:
+        """Beside the folder, not in it: taken before anything of the run is read or written."""
+        root = Path(self.root)
+        return str(root.parent / f".{root.name}.lock")
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Hold the run's lock for the ``with`` block: a second driver of the same run folder is
+        refused in one line naming the holder's pid. The kernel drops an flock with its process,
+        so the lock of a driver that died is free again; the file stays (removing it would let a
+        late opener lock a file no longer at the path)."""
+        path = Path(self.lock_file)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise RunFolderError(f"cannot create the run's lock file {path}: {exc}") from exc
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+                raise RunFolderError(f"run folder {self.root} is in use by another grpoflow process (pid {holder}); "
+                                     "wait for it to finish or stop it, or give this run another run_name") from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            yield
+        finally:
+            os.close(fd)  # releases the flock
+
     def create(self) -> "RunFolder":
         """Make the folder and its timelines/ (idempotent)."""
         try:

@@ -212,6 +212,22 @@ def test_bad_input_is_refused_before_work(env, case):
     assert _tree_hash(run_dir) == before
 
 
+def test_a_second_driver_of_the_run_is_refused_before_work(env):
+    """The run folder is locked by its driver for its life: a second ``run`` on it (two
+    ``grpoflow run`` of one config) is refused in one line naming the holder, before it reads or
+    writes anything of the run."""
+    from storage.run_folder import RunFolder, RunFolderError
+
+    runs, run_dir, _ = env
+    before = _tree_hash(run_dir)
+    cfg = load_config("configs/tiny.yaml", [*BASE, f"runs_dir={runs}", "run_name=r"])
+    with RunFolder.at(runs, "r").lock():
+        with pytest.raises(RunFolderError, match=f"in use by another grpoflow process \\(pid {os.getpid()}\\)") as info:
+            run(cfg, progress=False)
+    assert "\n" not in str(info.value)
+    assert _tree_hash(run_dir) == before
+
+
 def test_catalogue_size():
     assert len(CASES) >= 30
 

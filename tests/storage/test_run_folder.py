@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,3 +57,33 @@ def test_errors_name_the_file(tmp_path):
     Path(folder.root).write_text("a file where the folder should be")
     with pytest.raises(RunFolderError, match="step_0.json"):
         folder.save_trace(0, [])
+
+
+def test_a_run_folder_has_one_driver_at_a_time(tmp_path):
+    folder = RunFolder.at(tmp_path, "r")
+    with folder.lock():
+        with pytest.raises(RunFolderError, match=rf"in use by another grpoflow process \(pid {os.getpid()}\)") as info:
+            with folder.lock():
+                pass
+        assert "\n" not in str(info.value)
+    with folder.lock():  # released with the block
+        pass
+    assert not Path(folder.root).exists()  # the lock lives beside the folder, which it does not create
+
+
+def test_the_lock_of_a_killed_driver_is_taken_over(tmp_path):
+    folder = RunFolder.at(tmp_path, "r")
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\nfrom storage.run_folder import RunFolder\n"
+        f"with RunFolder.at({str(tmp_path)!r}, 'r').lock():\n    print('held', flush=True)\n    time.sleep(60)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunFolderError, match=f"pid {holder.pid}"):
+            with folder.lock():
+                pass
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+    with folder.lock():  # the kernel dropped the dead process's lock
+        assert Path(folder.lock_file).read_text().strip() == str(os.getpid())

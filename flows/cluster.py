@@ -1,7 +1,8 @@
 """Dask cluster set-up: an embedded local cluster, or an existing scheduler.
 
 Workers carry resources: ``train`` (one per training rank, pp x dp x tp of them), ``rollout``
-(one per generation engine); plain workers take reward, advantage and IO tasks. A task asking for a
+(one per generation engine), ``eval`` (held-out evaluation, when eval.path is set); plain workers
+take reward, advantage and IO tasks. A task asking for a
 resource no worker has would wait forever in Dask, so :func:`check_pools` fails at start-up instead.
 
 Pools name workers by their Dask worker NAME: a worker process that dies is restarted by its nanny
@@ -44,10 +45,13 @@ class Pools:
     rollout: tuple[str, ...]
     """Worker names of the generation engines."""
     plain: tuple[str, ...] = ()
-    """Worker names with neither resource: gates, reward, advantage and publish run there when there
-    are any, so with several steps in flight they never queue behind a long train or rollout task."""
+    """Worker names with none of the resources: gates, reward, advantage and publish run there when
+    there are any, so with several steps in flight they never queue behind a long train or rollout task."""
     addresses: tuple[tuple[str, str], ...] = ()
     """(name, address) of every pooled worker at resolution time."""
+    eval: tuple[str, ...] = ()
+    """Worker names with the ``eval`` resource: held-out evaluations run there (flows/evaluate.py),
+    so an evaluation never holds back a step's gate, rollout or training task."""
 
     def address(self, name: str) -> str:
         return dict(self.addresses)[name]
@@ -133,6 +137,8 @@ def start_cluster(cfg: GRPOConfig, timers: dict[str, str] = CLUSTER_TIMERS) -> t
             workers[f"rollout-{i}"] = _worker({"rollout": 1}, listen)
     for i in range(cfg.cluster.num_plain_workers):
         workers[f"plain-{i}"] = _worker({}, listen)
+    if cfg.eval.enabled:
+        workers["eval-0"] = _worker({"eval": 1}, listen)
     # Worker processes configure logging when they import distributed, from the environment.
     os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
     dask.config.set({"logging.distributed": "warning"})
@@ -206,7 +212,10 @@ def check_pools(client: Client, cfg: GRPOConfig, wait_s: float | None = None) ->
     while True:
         workers = _workers(client)
         train, rollout = having("train"), having("rollout")
-        if (len(train) >= world and rollout) or time.monotonic() > deadline:
+        # The embedded cluster's eval worker too; a cluster of one's own may have none (the plain
+        # workers evaluate then).
+        evals_ready = not cfg.eval.enabled or cfg.cluster.scheduler_address or having("eval")
+        if (len(train) >= world and rollout and evals_ready) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     if len(train) < world:
@@ -218,10 +227,12 @@ def check_pools(client: Client, cfg: GRPOConfig, wait_s: float | None = None) ->
     if not rollout:
         raise ClusterError("no worker offers the 'rollout' resource: start one with --resources rollout=1")
     train, rollout = train[:world], rollout[: cfg.rollout.num_engines]
-    plain = sorted(a for a, w in workers.items() if not {"train", "rollout"} & set(w.get("resources", {})))
+    plain = sorted(a for a, w in workers.items() if not {"train", "rollout", "eval"} & set(w.get("resources", {})))
+    evals = having("eval")
     return Pools(tuple(_name(a, workers[a]) for a in train), tuple(_name(a, workers[a]) for a in rollout),
                  tuple(_name(a, workers[a]) for a in plain),
-                 tuple((_name(a, workers[a]), a) for a in dict.fromkeys(train + rollout)))
+                 tuple((_name(a, workers[a]), a) for a in dict.fromkeys(train + rollout)),
+                 eval=tuple(_name(a, workers[a]) for a in evals))
 
 
 def lost_workers(client: Client, pools: Pools, names: tuple[str, ...] | None = None) -> list[str]:

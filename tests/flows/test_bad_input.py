@@ -135,6 +135,8 @@ CASES = [
     # -- model folders -----------------------------------------------------------------------------
     ("model-missing", ["model.path=/nonexistent/model"], None, r"model.path=/nonexistent/model: no such folder"),
     ("model-is-file", "file", None, r"model.path=.*config.json: no such folder"),
+    ("packaged-model-not-fetched", ["model.path=/nowhere/smollm2-135m-instruct"], None,
+     r"model.path=/nowhere/smollm2-135m-instruct: no such folder \(`grpoflow model fetch smollm2-135m-instruct"),
     ("model-no-config", "hf", lambda run, hf: os.remove(hf / "config.json"), r"no config.json"),
     ("model-config-not-json", "hf", lambda run, hf: (hf / "config.json").write_text("{oops"), r"config.json is not valid JSON"),
     ("model-config-list", "hf", lambda run, hf: (hf / "config.json").write_text("[1, 2]"), r"config.json is not valid JSON: not a JSON object"),

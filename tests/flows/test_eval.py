@@ -41,7 +41,7 @@ def runs(tmp_path_factory):
         f"runs_dir={root / 'plain'}"])
     with_eval = replace(base, runs_dir=str(root / "eval"), eval=replace(
         base.eval, path=str(heldout), every_steps=1, num_samples=4, ks=[1, 2, 4]))
-    client, cluster = start_cluster(base)
+    client, cluster = start_cluster(with_eval)  # the tiny cluster and an eval worker
     try:
         at = replace(base.cluster, scheduler_address=cluster.scheduler_address)
         plain = run(replace(base, cluster=at), progress=False)
@@ -55,6 +55,16 @@ def runs(tmp_path_factory):
 def test_training_with_eval_equals_training_without(runs):
     base, with_eval, *_ = runs
     assert_same_runs(Path(run_folder(base).root), Path(run_folder(with_eval).root), ITERATIONS, ITERATIONS + 1)
+
+
+def test_evaluations_run_on_the_eval_worker_only(runs):
+    """The embedded cluster's eval worker takes every evaluation, so none holds back a step's
+    gates (plain worker) or a rank (training workers)."""
+    import zarr
+
+    _, with_eval, _, _ = runs
+    root = run_folder(with_eval).evals
+    assert [zarr.open_group(f"{root}/v{v}", mode="r").attrs["worker"] for v in (0, 1, 2)] == ["eval-0"] * 3
 
 
 def test_every_version_is_evaluated_stored_and_logged(runs):

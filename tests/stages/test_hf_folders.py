@@ -142,17 +142,24 @@ def test_cached_generation_matches_transformers(tmp_path):
 
 
 # -- saving a version back -------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["llama3.1", "qwen3-bias-tied"])
-def test_saved_version_loads_in_transformers(name, tmp_path):
+def _trained_version(name: str, tmp_path: Path, version: int = 1):
+    """(the runtime model, its PolicyRef, the tokenizer.json text, the source folder): a version
+    saved from weights that differ from the source's, as after a training step."""
     source = tmp_path / "source"
     make_hf_folder(FOLDERS[name](), source)
     ours = runtime_model(source)
-    with torch.no_grad():  # a version that differs from the source, as after a training step
+    with torch.no_grad():
         for _, p in hf_named_parameters(ours):
             p.mul_(1.01)
     _, tokenizer_json, _ = load_model_folder(source, names=set())
-    ref = PolicyStore(tmp_path / "policy").save_policy(1, ours.cfg.to_hf(), tokenizer_json, hf_state(ours),
+    ref = PolicyStore(tmp_path / "policy").save_policy(version, ours.cfg.to_hf(), tokenizer_json, hf_state(ours),
                                                        source=source)
+    return ours, ref, tokenizer_json, source
+
+
+@pytest.mark.parametrize("name", ["llama3.1", "qwen3-bias-tied"])
+def test_saved_version_loads_in_transformers(name, tmp_path):
+    ours, ref, tokenizer_json, source = _trained_version(name, tmp_path)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(ref.path, attn_implementation="eager").eval()
     assert reloaded.config.model_type == ours.cfg.model_type
     ids = make_ids(ours.cfg.vocab_size, seed=1)
@@ -173,15 +180,7 @@ def test_a_trained_version_generates_in_transformers_as_in_the_engine(tmp_path):
     greedy completions)."""
     from stages.rollout import SamplingParams, generate
 
-    source = tmp_path / "source"
-    make_hf_folder(FOLDERS["llama3.1"](), source)
-    ours = runtime_model(source)
-    with torch.no_grad():  # a version that differs from the source, as after a training step
-        for _, p in hf_named_parameters(ours):
-            p.mul_(1.01)
-    _, tokenizer_json, _ = load_model_folder(source, names=set())
-    ref = PolicyStore(tmp_path / "policy").save_policy(3, ours.cfg.to_hf(), tokenizer_json, hf_state(ours),
-                                                       source=source)
+    ours, ref, _, _ = _trained_version("llama3.1", tmp_path, version=3)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(ref.path, attn_implementation="eager").eval()
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, ours.cfg.vocab_size, (n,), generator=gen).tolist() for n in (5, 9, 12)]

@@ -22,8 +22,10 @@ class EvalConfig:
     path: Optional[str] = None
     """Held-out prompts (JSONL or Parquet, the dataset section's fields), never trained on; unset:
     no evaluation. Evaluated: the base policy v0 before step 0, every ``every_steps`` versions and
-    the last version."""
+    the last version, on a worker of their own (the embedded cluster starts ``eval-0``; an existing
+    cluster's workers with the ``eval`` resource, else its plain workers)."""
     prompt_field: str = "prompt"
+    """Field holding the prompt text."""
     answer_field: str = "answer"
     """Field holding the ground truth, passed to the reward functions as ``answer=``."""
     num_prompts: Optional[int] = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import ipaddress
+import math
 import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -114,12 +115,13 @@ class ClusterConfig:
         _require(_is_host(self.listen),
                  f"cluster.listen={self.listen!r} must be an IP address or host name without a port "
                  "(127.0.0.1: this machine only)")
-        _require(self.iteration_timeout_s > 0, "cluster.iteration_timeout_s must be > 0")
+        for key in ("iteration_timeout_s", "worker_wait_s", "weight_sync_timeout_s"):
+            value = getattr(self, key)
+            _require(math.isfinite(value) and value > 0, f"cluster.{key}={value} must be a finite number > 0 "
+                     "(every wait of the run has a limit)")
         _require(self.max_restarts >= 0, "cluster.max_restarts must be >= 0 (0: a lost training worker fails the run)")
-        _require(self.worker_wait_s > 0, "cluster.worker_wait_s must be > 0")
         _require(self.weight_sync in WEIGHT_SYNCS,
                  f"cluster.weight_sync={self.weight_sync!r} is not one of {', '.join(WEIGHT_SYNCS)}")
-        _require(self.weight_sync_timeout_s > 0, "cluster.weight_sync_timeout_s must be > 0")
         _require(self.weight_sync_content_hash in CONTENT_HASHES,
                  f"cluster.weight_sync_content_hash={self.weight_sync_content_hash!r} is not one of "
                  f"{', '.join(CONTENT_HASHES)}")

@@ -9,6 +9,7 @@ span sections) is flows/schema.py. Each field is documented once, here. Validati
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Optional
@@ -39,6 +40,13 @@ class ConfigError(ValueError):
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def _in_range(key: str, value: float, low: float = 0.0, low_ok: bool = True) -> None:
+    """``value`` finite and >= ``low`` (> ``low`` without ``low_ok``): an inf timeout would cancel
+    every wait's limit, a NaN or inf rate trains non-finite weights."""
+    ok = math.isfinite(value) and (value >= low if low_ok else value > low)
+    _require(ok, f"{key}={value} must be a finite number {'>=' if low_ok else '>'} {low:g}")
 
 
 def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -110,6 +118,11 @@ class WarmupConfig:
     """Supervised steps that make the tiny base policy (kept short so GRPO starts below the ceiling)."""
     batch_size: int = 64
     lr: float = 3e-3
+
+    def __post_init__(self) -> None:
+        _require(self.steps >= 0, f"warmup.steps={self.steps} must be >= 0")
+        _require(self.batch_size >= 1, f"warmup.batch_size={self.batch_size} must be >= 1")
+        _in_range("warmup.lr", self.lr, low_ok=False)
 
 
 @dataclass(frozen=True)
@@ -189,7 +202,7 @@ class RewardConfig:
 
         _require(len(self.functions) >= 1, "reward.functions is empty: name at least one reward, e.g. [exact_match]")
         _require(self.num_tasks >= 1, "reward.num_tasks must be >= 1")
-        _require(self.timeout_s > 0, "reward.timeout_s must be > 0")
+        _in_range("reward.timeout_s", self.timeout_s, low_ok=False)
         _require(self.memory_limit_bytes is None or self.memory_limit_bytes >= 1 << 24,
                  f"reward.memory_limit_bytes={self.memory_limit_bytes} must be >= 16 MiB (or unset)")
         try:
@@ -308,7 +321,10 @@ class TrainConfig:
         for key in ("pipeline_model_parallel_size", "tensor_model_parallel_size", "data_parallel_size",
                     "virtual_pipeline_model_parallel_size", "micro_batch_size"):
             _require(getattr(self, key) >= 1, f"train.{key}={getattr(self, key)} must be >= 1")
-        _require(self.timeout_s > 0, "train.timeout_s must be > 0")
+        _in_range("train.timeout_s", self.timeout_s, low_ok=False)
+        _in_range("train.lr", self.lr, low_ok=False)
+        for key in ("weight_decay", "max_grad_norm", "kl_beta"):
+            _in_range(f"train.{key}", getattr(self, key))
         for key in ("max_tokens_per_microbatch", "pack_row_tokens", "logprob_chunk_tokens"):
             value = getattr(self, key)
             _require(value is None or value >= 1, f"train.{key}={value} must be >= 1 (or unset)")

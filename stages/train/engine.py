@@ -31,6 +31,7 @@ every stage's forward under ``torch.autocast`` (float32 weights, gradients and o
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -46,13 +47,13 @@ from torch.distributed.tensor import DTensor
 from stages.config import REFERENCE_PARALLEL, TRAIN_DEVICES, TRAIN_DTYPES
 from stages.policy import DecoderConfig, build_stage, hf_named_parameters, load_hf_state, stage_hf_names
 from stages.train.batch import BucketedBatch
-from stages.train.faults import (InjectedFault, InputMismatchError, StepGuard, TrainInputError, TrainStepError,
-                                 passes_signature)
+from stages.train.faults import (InjectedFault, InputMismatchError, NonFiniteGradientError, StepGuard,
+                                 TrainInputError, TrainStepError, passes_signature)
 from stages.train.layout import ParallelLayout, schedule_error
 from stages.train.loss import LossConfig, LossStats, grpo_microbatch_loss, make_chunked_loss
 from stages.train.mesh import init_rank_groups
 from stages.train.parallel import (DEFAULT_BUCKET_BYTES, allreduce_grads, apply_tensor_parallel, clip_grad_norm,
-                                   head_local_parameters, sum_tied_grads, unique_parameters)
+                                   head_local_parameters, local_tensor, sum_tied_grads, unique_parameters)
 from stages.train.schedules import ForwardOnlySchedule, LogpStage, build_train_schedule
 from stages.train.timeline import Action, RankTimeline, TimedStage, autocast_to, bubble_fraction, timed_p2p
 
@@ -361,8 +362,22 @@ class TrainRank:
         with guarded:
             result = self._forward_backward(call, batch)
             norm = self._clip_grads()
+            if not math.isfinite(norm):
+                self._refuse_non_finite(norm)
             self.optimizer.step()
         return StepResult(result.rank, {**result.metrics, "grad_norm": norm}, result.actions, result.window_ns)
+
+    def _refuse_non_finite(self, norm: float) -> None:
+        """Every rank sees the same all-reduced norm, so every rank is here: gather where the
+        non-finite gradients are and raise the same one-line error on each, before any weight moves."""
+        mine = next((name for name, p in self._named_params()
+                     if p.grad is not None and not bool(torch.isfinite(local_tensor(p.grad)).all())), None)
+        found: list = [None] * self.layout.world_size
+        dist.all_gather_object(found, mine)
+        where = "; ".join(f"rank {r}: {name}" for r, name in enumerate(found) if name) or "none found per rank"
+        raise NonFiniteGradientError(
+            f"the gradient norm is {norm}: non-finite gradients ({where}); no optimiser step was taken and "
+            "nothing is published. Check train.lr and the model folder's weights for NaN or inf")
 
     def forward_backward(self, batch) -> StepResult:
         """Gradients of the global-batch loss in ``.grad`` of this rank's parameters."""

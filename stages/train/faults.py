@@ -36,8 +36,8 @@ from typing import Iterator, Literal, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["TrainStepError", "TrainInputError", "InputMismatchError", "InjectedFault", "StepGuard", "signature_of",
-           "passes_signature"]
+__all__ = ["TrainStepError", "TrainInputError", "InputMismatchError", "NonFiniteGradientError", "InjectedFault",
+           "StepGuard", "signature_of", "passes_signature"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,11 @@ class TrainInputError(TrainStepError):
 
 class InputMismatchError(TrainInputError):
     """The ranks were given training inputs that do not agree."""
+
+
+class NonFiniteGradientError(TrainInputError):
+    """The step's gradient norm is NaN or infinite (seen alike by every rank: it is all-reduced);
+    no optimiser step was taken, so nothing non-finite is published."""
 
 
 @dataclass(frozen=True)

@@ -102,6 +102,14 @@ def _chunk(run: Path, array: str) -> Path:
                 if p.is_file() and p.name != "zarr.json")
 
 
+def _nan_weight(hf: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(hf / "model.safetensors"))
+    tensors["model.norm.weight"][0] = float("nan")
+    save_file(tensors, str(hf / "model.safetensors"))
+
+
 def _edit_json(path: Path, **changes) -> None:
     data = json.loads(path.read_text())
     for k, v in changes.items():
@@ -135,6 +143,7 @@ CASES = [
     # -- model folders -----------------------------------------------------------------------------
     ("model-missing", ["model.path=/nonexistent/model"], None, r"model.path=/nonexistent/model: no such folder"),
     ("model-is-file", "file", None, r"model.path=.*config.json: no such folder"),
+    ("model-nan-weight", "hf", lambda run, hf: _nan_weight(hf), r"tensor model.norm.weight in model.safetensors holds NaN"),
     ("packaged-model-not-fetched", ["model.path=/nowhere/smollm2-135m-instruct"], None,
      r"model.path=/nowhere/smollm2-135m-instruct: no such folder \(`grpoflow model fetch smollm2-135m-instruct"),
     ("model-no-config", "hf", lambda run, hf: os.remove(hf / "config.json"), r"no config.json"),

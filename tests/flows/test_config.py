@@ -36,6 +36,14 @@ def test_tiny_config_loads_with_overrides():
     ("cluster.weight_sync_timeout_s=0", "cluster.weight_sync_timeout_s"),
     ("cluster.weight_sync_content_hash=md5", "cluster.weight_sync_content_hash"),
     ("cluster.listen=127.0.0.1:8786", "cluster.listen"),
+    ("train.lr=inf", "train.lr"),
+    ("train.lr=0", "train.lr"),
+    ("train.kl_beta=-0.1", "train.kl_beta"),
+    ("train.max_grad_norm=nan", "train.max_grad_norm"),
+    ("train.timeout_s=inf", "train.timeout_s"),
+    ("warmup.steps=-3", "warmup.steps"),
+    ("reward.timeout_s=inf", "reward.timeout_s"),
+    ("cluster.iteration_timeout_s=inf", "cluster.iteration_timeout_s"),
     ("cluster.listen=tcp://0.0.0.0", "cluster.listen"),
 ])
 def test_bad_values_name_the_key_in_one_line(override, key):

@@ -3,6 +3,8 @@ error that names the rank and the cause; the process group survives input errors
 
 from __future__ import annotations
 
+import torch
+
 from conftest import make_decoder_config, make_model, make_rollout_arrays
 from stages.policy import hf_state
 from stages.train.batch import build_global_batch
@@ -39,3 +41,25 @@ def test_faults_are_reported_by_every_rank_within_the_timeout():
     survivor = outputs[0].errors[4]
     assert "aborted on rank 0" in survivor and "the first failure was on rank 1" in survivor
     assert "with rank 1" in survivor  # the wait that timed out names its peer
+
+
+def test_a_non_finite_gradient_stops_the_step_before_any_weight_moves():
+    """A NaN weight (a broken model folder) makes the loss and the gradient norm NaN: every rank
+    refuses the optimiser step with the same one line naming where the gradients are not finite,
+    and no weight moves."""
+    cfg = make_decoder_config()
+    model = make_model(cfg)
+    broken = {k: v.clone() for k, v in hf_state(model).items()}
+    broken["model.layers.3.mlp.down_proj.weight"][0, 0] = float("nan")  # on the last stage (pp=1)
+    batch = build_global_batch(make_rollout_arrays(model, num_groups=4, group_size=4), "token-mean", 0)
+    setup = TrainSetup(model=cfg, pipeline_parallel_size=2, num_microbatches=2, schedule="1f1b", timeout_s=TIMEOUT_S)
+    outputs = run_local_pipeline(setup, broken, [batch], calls=["train"], stop_on_error=False)
+    messages = {out.errors[0] for out in outputs}
+    assert len(messages) == 1, messages
+    (message,) = messages
+    assert message.startswith("NonFiniteGradientError: the gradient norm is nan") and "\n" not in message
+    assert "rank 1: " in message and "nothing is published" in message
+    for out in outputs:  # no optimiser step: every weight the rank holds is still the input's
+        assert out.state
+        for name, value in out.state.items():
+            assert torch.equal(value.nan_to_num(), broken[name].nan_to_num()), name

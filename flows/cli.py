@@ -108,11 +108,12 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from flows.schema import ConfigError
     from storage.run_folder import RunFolder
 
-    target = Path(args.target)
+    target = Path(args.target).resolve()
     if target.is_dir():
         state = RunFolder.at(target.parent, target.name).load_run_state()
-        if state is None:
-            raise ConfigError(f"{target} holds no run.json: give a run folder (runs/<run_name>) or a config file")
+        if state is None or not isinstance(state.get("config"), dict):
+            raise ConfigError(f"{target} holds no run.json with a config: give a run folder (runs/<run_name>) "
+                              "or a config file")
         # The folder may have been moved: it is where it is now.
         cfg = load_config(None, [*args.overrides, f"runs_dir={target.parent}", f"run_name={target.name}"],
                           base=state["config"])
@@ -126,7 +127,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         versions = args.version or [store.latest_version()]
         missing = [v for v in versions if not store.is_complete(v)]
         if missing:
-            raise ConfigError(f"{folder.root} holds no complete policy v{missing[0]}")
+            raise ConfigError(f"{folder.root} holds no complete policy v{missing[0]}; its versions: "
+                              f"{', '.join(f'v{v}' for v in range((store.latest_version() or 0) + 1) if store.is_complete(v))}")
         policies = [store.ref(v) for v in versions]
     else:  # no run yet: the configured base model, evaluated into a folder of its own
         if args.version and args.version != [0]:

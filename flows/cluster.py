@@ -147,8 +147,13 @@ def start_cluster(cfg: GRPOConfig, timers: dict[str, str] = CLUSTER_TIMERS) -> t
         logging.getLogger(name).setLevel(logging.WARNING)
     # The nanny reads these when it is made and sets them before every (re)start of its worker; a
     # value already in os.environ wins over the config, so both say the same.
-    os.environ.update(WORKER_MALLOC_ENV)
-    settings = {f"distributed.nanny.pre-spawn-environ.{k}": v for k, v in WORKER_MALLOC_ENV.items()}
+    env = dict(WORKER_MALLOC_ENV)
+    if _is_loopback(listen):
+        # gloo's pair sockets listen on the address the host name resolves to, which may be a LAN
+        # address; on loopback the ranks' process groups stay on this machine too.
+        env.setdefault("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
+    os.environ.update(env)
+    settings = {f"distributed.nanny.pre-spawn-environ.{k}": v for k, v in env.items()}
     settings["distributed.worker.profile.enabled"] = cfg.cluster.worker_profiler  # the nanny hands it on
     settings.update(timers)
     with dask.config.set(settings):

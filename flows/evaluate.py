@@ -1,7 +1,7 @@
 """Held-out evaluation of policy versions: load -> generate -> score -> metrics -> save.
 
-:func:`evaluate_version` is the eval stage's task. It runs on a rollout worker (the driver submits
-it after the version is published, at a lower priority than the step's own tasks) or in the
+:func:`evaluate_version` is the eval stage's task. It runs on an eval worker (the driver submits it
+once the version is published; :func:`eval_workers` says where it runs without one) or in the
 calling process (``grpoflow eval``), with its own model instance and its own seeded generator: the
 rollout engines, their held versions and every training array stay as they would be without it
 (tests/flows/test_eval.py checks a run with eval on against one without, bit for bit).
@@ -9,6 +9,7 @@ rollout engines, their held versions and every training array stay as they would
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import replace
@@ -33,22 +34,25 @@ from stages.steps import decode_completions
 from storage.policies import PolicyRef, load_model_folder
 from storage.run_folder import RunFolder
 
-__all__ = ["eval_config_hash", "eval_records", "evaluate_version", "EvalScheduler", "format_eval", "load_eval_results",
-           "policy_folder"]
+__all__ = ["eval_config_hash", "eval_dataset", "eval_records", "evaluate_version", "eval_workers", "EvalScheduler", "format_eval",
+           "load_eval_results", "policy_folder"]
 
 log = logging.getLogger(__name__)
 
 _SEED_MUL = 1_000_003  # seed mix of (eval.seed, version), as the rollout's
+_EVAL_PRIORITY = -10  # Dask priority: below every task of a step (0)
 
 
 def eval_config_hash(cfg: GRPOConfig) -> str:
-    """What an evaluation's rows depend on besides the version: stored metrics under another hash
-    are computed again."""
+    """What an evaluation's rows depend on besides the weights: the eval, sampling and reward
+    settings and the bytes of the held-out file. Stored metrics under another hash are computed again."""
+    data = hashlib.sha256(Path(cfg.eval.path).read_bytes()).hexdigest() if cfg.eval.enabled else ""
     return config_hash({"eval": cfg.eval, "rollout": replace(cfg.rollout, max_staleness=0, num_engines=1),
-                        "reward": cfg.reward, "chat_template": cfg.dataset.chat_template})
+                        "reward": cfg.reward, "chat_template": cfg.dataset.chat_template, "data": data})
 
 
-def _dataset(cfg: GRPOConfig) -> DatasetConfig:
+def eval_dataset(cfg: GRPOConfig) -> DatasetConfig:
+    """The held-out file as a dataset config (file order, the run's chat template)."""
     e = cfg.eval
     kind = "parquet" if str(e.path).endswith(".parquet") else "jsonl"
     return DatasetConfig(kind=kind, path=e.path, prompt_field=e.prompt_field, answer_field=e.answer_field,
@@ -57,22 +61,23 @@ def _dataset(cfg: GRPOConfig) -> DatasetConfig:
 
 def eval_records(cfg: GRPOConfig, codec: TextCodec) -> list[PromptRecord]:
     """The held-out records, in file order (the first eval.num_prompts)."""
-    dataset = _dataset(cfg)
+    dataset = eval_dataset(cfg)
     raw = read_records(dataset)
     raw = raw[: cfg.eval.num_prompts] if cfg.eval.num_prompts else raw
     return FilePromptSource(dataset, codec, len(raw), raw).records(0)
 
 
 _RECORDS: dict[tuple, tuple[TextCodec, list[PromptRecord]]] = {}  # a worker's parsed held-out prompts
+_MAX_RECORDS = 4  # (eval config, file, version folder) entries: one per version evaluated lately
 
 
 def _cached_records(cfg: GRPOConfig, policy_path: str) -> tuple[TextCodec, list[PromptRecord]]:
-    """The codec and held-out records, parsed again only when the eval config, the file's stamp or
-    the version folder changes."""
+    """The codec and held-out records of one version folder (each has its own tokenizer files),
+    parsed again when the eval config or the file's stamp changes."""
     key = (config_hash({"eval": cfg.eval, "chat_template": cfg.dataset.chat_template}),
            file_stamp(cfg.eval.path), policy_path)
     if key not in _RECORDS:
-        if len(_RECORDS) >= 4:
+        if len(_RECORDS) >= _MAX_RECORDS:
             _RECORDS.clear()
         codec = TextCodec.from_policy_folder(policy_path, cfg.dataset.chat_template)
         _RECORDS[key] = codec, eval_records(cfg, codec)
@@ -94,7 +99,7 @@ def evaluate_version(cfg: GRPOConfig, folder: RunFolder, policy: PolicyRef) -> d
     """Evaluate ``policy`` on the held-out prompts and store its rows and metrics; a version already
     evaluated under the same eval config returns its stored metrics."""
     store, key = folder.eval_store(), eval_config_hash(cfg)
-    done = store.metrics(policy.version, key)
+    done = store.metrics(policy.version, key, policy.sha256)
     if done is not None:
         return done
     t0 = time.perf_counter()
@@ -158,21 +163,24 @@ class EvalScheduler:
     """The driver's side of the eval stage: submits a version's evaluation when it is due, and
     gathers the metrics (version -> metrics) at the end."""
 
-    def __init__(self, client: Client, cfg: GRPOConfig, folder: RunFolder, workers: tuple[str, ...]):
-        self.client, self.cfg, self.folder, self.workers = client, cfg, folder, list(workers)
+    def __init__(self, client: Client, cfg: GRPOConfig, folder: RunFolder, pools: Pools):
+        self.client, self.cfg, self.folder = client, cfg, folder
+        self.workers, self.use_eval_resource = list(eval_workers(pools)), bool(pools.eval)
         self.pending: dict[int, Future] = {}
-        self._key = eval_config_hash(cfg)
+        self._key = eval_config_hash(cfg) if cfg.eval.enabled else ""
 
     def published(self, policy: PolicyRef) -> None:
         """Policy ``policy`` is out: evaluate it if eval says so and it has not been (a resumed run)."""
         v = policy.version
         if (not self.cfg.eval.due(v, self.cfg.iterations) or v in self.pending
-                or self.folder.eval_store().metrics(v, self._key) is not None):
+                or self.folder.eval_store().metrics(v, self._key, policy.sha256) is not None):
             return
-        # Below the step's own tasks: an engine takes it when no rollout is waiting for it.
+        # The eval resource survives a restart of its worker (a name is resolved to an address at
+        # submission); elsewhere below the step's own tasks, taken when no step task waits.
+        where = {"resources": {"eval": 1}} if self.use_eval_resource else {"workers": self.workers}
         self.pending[v] = self.client.submit(
-            evaluate_version, self.cfg, self.folder, policy, workers=self.workers, priority=-10, pure=False,
-            key=f"eval-v{v}-{self.cfg.run_name}-{time.time_ns()}")
+            evaluate_version, self.cfg, self.folder, policy, priority=_EVAL_PRIORITY, pure=False,
+            key=f"eval-v{v}-{self.cfg.run_name}-{time.time_ns()}", **where)
 
     def catch_up(self, version: int) -> None:
         """Evaluate every due version up to ``version`` (published by this or an earlier process)."""
@@ -182,12 +190,14 @@ class EvalScheduler:
                 self.published(store.ref(v))
 
     def gather(self, timeout_s: float) -> dict[int, dict[str, float]]:
-        """Metrics of the evaluations this process submitted, by version. A failed one is logged
-        and left out: evaluation never fails the training run; ``grpoflow eval`` redoes it."""
+        """Metrics of the evaluations this process submitted, by version, all within ``timeout_s``.
+        A failed or late one is logged and left out: evaluation never fails the training run;
+        ``grpoflow eval`` redoes it."""
         out = {}
+        deadline = time.monotonic() + timeout_s
         for version, future in sorted(self.pending.items()):
             try:
-                out[version] = future.result(timeout=timeout_s)
+                out[version] = future.result(timeout=max(0.0, deadline - time.monotonic()))
             except Exception as exc:
                 log.warning("eval of policy v%d failed: %s; run grpoflow eval to redo it", version,
                             str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
@@ -205,11 +215,15 @@ def format_eval(results: dict[int, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def load_eval_results(folder: RunFolder) -> dict[int, dict[str, float]]:
-    """Metrics of every finished evaluation in the run folder, by version."""
-    return folder.eval_store().all_metrics()
+def load_eval_results(cfg: GRPOConfig, folder: RunFolder) -> dict[int, dict[str, float]]:
+    """Metrics of every finished evaluation in the run folder under the run's eval config, by version."""
+    return folder.eval_store().all_metrics(eval_config_hash(cfg)) if cfg.eval.enabled else {}
 
 
 def policy_folder(path: str | Path) -> PolicyRef:
-    """A PolicyRef for an HF folder outside a run (the base model of a config): version 0."""
-    return PolicyRef(str(path), 0)
+    """A PolicyRef for an HF folder outside a run (the base model of a config): version 0, its
+    sha256 a digest of the folder's file names, sizes and modification times (its weights change,
+    its stored evaluation is stale)."""
+    folder = Path(path)
+    stamp = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir() if f.is_file())
+    return PolicyRef(str(folder), 0, config_hash({"files": stamp}))

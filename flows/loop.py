@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from flows import tasks, weight_sync
 from flows.background import BackgroundQueue
-from flows.evaluate import EvalScheduler, eval_workers, format_eval, load_eval_results
+from flows.evaluate import EvalScheduler, format_eval, load_eval_results
 from flows.async_schedule import behaviour_version, released_by, trainer_version
 from flows.cluster import (ClusterError, Pools, check_pools, dashboard_link, lost_workers, restart_train_workers,
                            start_cluster)
@@ -163,7 +163,7 @@ def _finished_summary(cfg: GRPOConfig, folder: RunFolder, tracking_uri: str) -> 
         iterations=data["iterations"], reward_mean=[nan if r is None else r for r in data["reward_mean"]],
         wall_seconds=data["wall_seconds"], stage_seconds=data["stage_seconds_per_iteration"],
         metrics=[{k: nan if v is None else v for k, v in m.items()} for m in data["metrics"]],
-        policy_path=data["policy_path"])
+        policy_path=data["policy_path"], eval={int(v): m for v, m in data.get("eval", {}).items()})
 
 
 def fresh_run(cfg: GRPOConfig) -> GRPOConfig:
@@ -235,13 +235,15 @@ def _run(cfg: GRPOConfig, progress: bool) -> RunSummary:
         log.info("starting %d training ranks from policy v%d; %d iterations from step %d",
                  len(pools.train), policy.version, cfg.iterations - first_step, first_step)
         _init_ranks(client, cfg, pools, policy)
-        evals = EvalScheduler(client, cfg, folder, eval_workers(pools))
+        evals = EvalScheduler(client, cfg, folder, pools)
         evals.catch_up(policy.version)
         results = _loop(client, cfg, pools, folder, policy, first_step, lineage, progress,
                         host_cpu=_HostCPU() if cluster is not None else None, on_published=evals.published)
-        for version, metrics in evals.gather(cfg.cluster.iteration_timeout_s).items():
-            lineage.log_eval(version, metrics)
-        eval_plot = save_eval_plot(load_eval_results(folder), folder.plots)
+        evals.gather(cfg.cluster.iteration_timeout_s)
+        # Every stored evaluation of this eval config, an earlier process's too, once on the parent.
+        evaluated = load_eval_results(cfg, folder)
+        lineage.log_evals(evaluated)
+        eval_plot = save_eval_plot(evaluated, folder.plots)
         if eval_plot is not None:
             lineage.log_plots([eval_plot])
         summary = _summarise(cfg, lineage, uri, folder, results, time.perf_counter() - start)
@@ -539,7 +541,7 @@ def _summarise(cfg: GRPOConfig, lineage: Lineage, tracking_uri: str, folder: Run
         iterations=len(metrics), reward_mean=[m.get("reward_mean", float("nan")) for m in metrics],
         wall_seconds=wall_s, stage_seconds={s: [m.get(f"{s}_seconds", 0.0) for m in metrics] for s in names},
         metrics=[{"step": step, **m} for step, m in enumerate(metrics)], policy_path=last.path,
-        eval=load_eval_results(folder))
+        eval=load_eval_results(cfg, folder))
 
 
 def format_summary(summary: RunSummary) -> str:

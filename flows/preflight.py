@@ -24,7 +24,7 @@ from storage.model_folder import ModelFolderError, load_hf_config
 from flows.schema import ConfigError, GRPOConfig, config_to_dict
 
 __all__ = ["SAFE_TO_CHANGE", "PreflightError", "config_differences", "check_model_folder",
-           "check_devices", "check_run_folder", "check_task_prompts", "preflight"]
+           "check_devices", "check_eval_data", "check_run_folder", "check_task_prompts", "preflight"]
 
 SAFE_TO_CHANGE = ("iterations", "runs_dir", "cluster.", "mlflow.", "plan.", "eval.", "train.keep_optimizer_state")
 """Config keys (or key prefixes, ending in '.') a resumed run may change: they decide how long and
@@ -235,4 +235,20 @@ def preflight(cfg: GRPOConfig, folder) -> dict[str, Any] | None:
     if cfg.model.path:
         check_model_folder(cfg.model.path)
         check_task_prompts(cfg)
+    check_eval_data(cfg)
     return check_run_folder(cfg, folder)
+
+
+def check_eval_data(cfg: GRPOConfig) -> None:
+    """eval.path readable with its prompt and answer fields: found now, not after the training that
+    runs before the first evaluation finishes."""
+    if not cfg.eval.enabled:
+        return
+    from flows.evaluate import eval_dataset
+    from stages.data import DatasetError
+    from stages.data.readers import read_records
+
+    try:
+        read_records(eval_dataset(cfg))
+    except DatasetError as exc:
+        raise PreflightError(f"eval.path: {str(exc).strip().splitlines()[0]}") from None

@@ -38,10 +38,10 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _is_host(value: str) -> bool:
-    """An IP address, or a host name (letters, digits, '-' and '.')."""
+    """An IPv4 address, or a host name (letters, digits, '-' and '.'). IPv6 is not supported yet:
+    the rendezvous parses worker addresses as host:port."""
     try:
-        ipaddress.ip_address(value)
-        return True
+        return ipaddress.ip_address(value).version == 4
     except ValueError:
         return bool(value) and all(part and part.replace("-", "").isalnum() for part in value.split("."))
 
@@ -113,7 +113,7 @@ class ClusterConfig:
         _require(self.train_threads >= 0, f"cluster.train_threads={self.train_threads} must be >= 0 (0: auto)")
         _require(self.num_plain_workers >= 0, "cluster.num_plain_workers must be >= 0")
         _require(_is_host(self.listen),
-                 f"cluster.listen={self.listen!r} must be an IP address or host name without a port "
+                 f"cluster.listen={self.listen!r} must be an IPv4 address or host name without a port "
                  "(127.0.0.1: this machine only)")
         for key in ("iteration_timeout_s", "worker_wait_s", "weight_sync_timeout_s"):
             value = getattr(self, key)

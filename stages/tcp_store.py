@@ -9,6 +9,7 @@ across hosts) and hands it to the store (``master_listen_fd``), which then owns 
 
 from __future__ import annotations
 
+import os
 import socket
 from datetime import timedelta
 from urllib.parse import urlparse
@@ -48,11 +49,9 @@ def tcp_store(init_method: str, world_size: int, is_master: bool, timeout: timed
         return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout, wait_for_workers=False)
     fd = _listening_fd(host, port)
     try:
+        # The store owns (and closes) the descriptor it is given: hand it a duplicate and close our
+        # own, so no path closes a number that another thread may have reused.
         return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
-                             master_listen_fd=fd)
-    except BaseException:
-        try:  # the store may have closed it already
-            socket.close(fd)
-        except OSError:
-            pass
-        raise
+                             master_listen_fd=os.dup(fd))
+    finally:
+        os.close(fd)

@@ -263,9 +263,14 @@ class Lineage:
         for path in paths:
             self.client.log_artifact(self.run_id, str(path), "plots")
 
-    def log_eval(self, version: int, metrics: dict[str, float]) -> None:
-        """Held-out metrics of policy ``version`` on the parent, with the version as their step."""
-        self._log(self.run_id, metrics=metrics, step=version)
+    def log_evals(self, results: dict[int, dict[str, float]]) -> None:
+        """Held-out metrics by policy version on the parent, the version as their step; a version
+        the parent already has (logged by an earlier process of a resumed run) is not logged again."""
+        # Every evaluation stores eval_seconds, and a version's metrics are logged together.
+        logged = {h.step for h in self.client.get_metric_history(self.run_id, "eval_seconds")} if results else set()
+        for version, metrics in sorted(results.items()):
+            if version not in logged:
+                self._log(self.run_id, metrics=metrics, step=version)
 
     def log_summary(self, metrics: dict[str, float], artifact_paths: list[str] = ()) -> None:
         self._log(self.run_id, metrics=metrics)

@@ -3,8 +3,11 @@ split into a training file and a held-out file that share no operand pair.
 
     python -m stages.data.make_arithmetic --out-dir data --num-train 2048 --num-test 256 --seed 0
 
-Every ordered pair (a, b) with 10 <= a, b <= 99 (8,100 of them) is shuffled by ``seed``; the first
-``num_test`` go to ``arithmetic_test.jsonl``, the next ``num_train`` to ``arithmetic_train.jsonl``.
+Every ordered pair (a, b) with 10 <= a, b <= 99 (8,100 of them) is shuffled by ``seed``; the next
+``num_train`` after the first ``num_test`` go to ``arithmetic_train.jsonl``, and of the first
+``num_test`` those whose swapped pair (b, a) is not a training pair go to ``arithmetic_test.jsonl``:
+no held-out prompt is a training prompt read the other way round (the sums themselves, 20 to 198,
+all occur in training).
 A record is ``{"prompt": "What is 23 + 58? Answer with only the number.", "answer": "81", "a": 23,
 "b": 58}``. SmolLM2-135M-Instruct answers 17% of them right greedily within 48 tokens
 (benchmarks/base_accuracy.py): it knows the sums but talks around them and runs out of tokens, so
@@ -24,14 +27,19 @@ INSTRUCTION = " Answer with only the number."
 
 
 def make_arithmetic(num_train: int, num_test: int, seed: int) -> tuple[list[dict], list[dict]]:
-    """(train records, held-out records), disjoint in their operand pairs."""
+    """(train records, held-out records), disjoint in their unordered operand pairs."""
     pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
     if num_train + num_test > len(pairs):
         raise ValueError(f"num_train + num_test = {num_train + num_test} exceeds the {len(pairs)} operand pairs")
     random.Random(seed).shuffle(pairs)
-    records = [{"prompt": f"What is {a} + {b}?{INSTRUCTION}", "answer": str(a + b), "a": a, "b": b}
-               for a, b in pairs[: num_test + num_train]]
-    return records[num_test:], records[:num_test]
+    train = pairs[num_test: num_test + num_train]
+    seen = {frozenset(p) for p in train}
+    test = [p for p in pairs[:num_test] if frozenset(p) not in seen]
+
+    def record(a: int, b: int) -> dict:
+        return {"prompt": f"What is {a} + {b}?{INSTRUCTION}", "answer": str(a + b), "a": a, "b": b}
+
+    return [record(*p) for p in train], [record(*p) for p in test]
 
 
 def write_arithmetic(out_dir: str | Path, num_train: int, num_test: int, seed: int) -> tuple[Path, Path]:

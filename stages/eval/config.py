@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -22,8 +23,8 @@ class EvalConfig:
     path: Optional[str] = None
     """Held-out prompts (JSONL or Parquet, the dataset section's fields), never trained on; unset:
     no evaluation. Evaluated: the base policy v0 before step 0, every ``every_steps`` versions and
-    the last version, on a worker of their own (the embedded cluster starts ``eval-0``; an existing
-    cluster's workers with the ``eval`` resource, else its plain workers)."""
+    the last version, on a worker of their own (the embedded cluster starts ``eval-0``; on an
+    existing cluster, workers with the ``eval`` resource, else flows/evaluate.py ``eval_workers``)."""
     prompt_field: str = "prompt"
     """Field holding the prompt text."""
     answer_field: str = "answer"
@@ -62,6 +63,15 @@ class EvalConfig:
         _require(self.max_new_tokens is None or self.max_new_tokens >= 1, "eval.max_new_tokens must be >= 1")
         _require(self.answer_format in ANSWER_FORMATS,
                  f"eval.answer_format={self.answer_format!r} is not one of {', '.join(ANSWER_FORMATS)}")
+        _require(math.isfinite(self.correct_reward), f"eval.correct_reward={self.correct_reward} must be finite")
+        if self.functions is not None:  # found now, not after the training the run does first
+            from stages.reward import RewardFunctionError, check_reward_functions
+
+            _require(len(self.functions) >= 1, "eval.functions is empty: name a reward, or unset it (reward.functions)")
+            try:
+                check_reward_functions(self.functions)
+            except RewardFunctionError as exc:
+                raise ConfigError(f"eval.{str(exc).removeprefix('reward.')}") from None
 
     @property
     def enabled(self) -> bool:

@@ -36,6 +36,7 @@ def test_tiny_config_loads_with_overrides():
     ("cluster.weight_sync_timeout_s=0", "cluster.weight_sync_timeout_s"),
     ("cluster.weight_sync_content_hash=md5", "cluster.weight_sync_content_hash"),
     ("cluster.listen=127.0.0.1:8786", "cluster.listen"),
+    ("cluster.listen=::1", "cluster.listen"),
     ("train.lr=inf", "train.lr"),
     ("train.lr=0", "train.lr"),
     ("train.kl_beta=-0.1", "train.kl_beta"),

@@ -6,6 +6,7 @@ the same rows."""
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from stages.tasks.addition import make_prompts
 pytestmark = pytest.mark.slow
 
 ITERATIONS = 2
+_RESUMED: dict = {}  # the eval run resumed for one more step
 
 
 def _heldout(path: Path) -> Path:
@@ -46,6 +48,10 @@ def runs(tmp_path_factory):
         at = replace(base.cluster, scheduler_address=cluster.scheduler_address)
         plain = run(replace(base, cluster=at), progress=False)
         evaluated = run(replace(with_eval, cluster=at), progress=False)
+        # The same run resumed for one more step, in a copy: v0..v2 are stored and logged already.
+        resumed = replace(with_eval, runs_dir=str(root / "resumed"), cluster=at)
+        shutil.copytree(root / "eval", root / "resumed")
+        _RESUMED["summary"] = run(replace(resumed, iterations=ITERATIONS + 1), progress=False)
         yield base, with_eval, plain, evaluated
     finally:
         client.close()
@@ -103,7 +109,7 @@ def test_evaluating_a_version_again_gives_the_same_rows(runs, tmp_path):
     assert {k: v for k, v in metrics.items() if k != "eval_seconds"} == \
         {k: v for k, v in evaluated.eval[2].items() if k != "eval_seconds"}
     # Stored under the same eval config: returned as stored, not generated again.
-    assert other.eval_store().metrics(2, eval_config_hash(again)) == metrics
+    assert other.eval_store().metrics(2, eval_config_hash(again), policy.sha256) == metrics
 
 
 def test_grpoflow_eval_on_a_moved_run_folder_recomputes_the_stored_metrics(runs, tmp_path, capsys):
@@ -147,3 +153,12 @@ def test_the_eval_curve_is_drawn_and_logged(runs):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     logged = mlflow.MlflowClient(evaluated.tracking_uri).list_artifacts(evaluated.mlflow_run_id, "plots")
     assert "plots/eval.png" in {a.path for a in logged}
+
+
+def test_a_resumed_run_evaluates_and_logs_only_the_new_version(runs):
+    _, _, _, evaluated = runs
+    resumed = _RESUMED["summary"]
+    assert sorted(resumed.eval) == [0, 1, 2, 3]
+    assert all(resumed.eval[v] == evaluated.eval[v] for v in (0, 1, 2))  # stored, not evaluated again
+    history = mlflow.MlflowClient(resumed.tracking_uri).get_metric_history(resumed.mlflow_run_id, "eval_seconds")
+    assert sorted(h.step for h in history) == [0, 1, 2, 3]  # each version once on the continued parent run

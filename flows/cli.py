@@ -151,14 +151,14 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 def _working_folder_importable() -> None:
     """Modules in the working folder (``reward.functions: [mytask.rewards:score]`` beside the config)
-    import as they would under ``python -m``: the folder goes first on this process's import path and
-    on PYTHONPATH, which the embedded cluster's workers and their reward processes inherit."""
+    import in this process and, through PYTHONPATH, in the embedded cluster's workers and their
+    reward processes. The folder goes last, so a stray ``numpy.py`` there shadows nothing."""
     cwd = os.getcwd()
     if cwd not in sys.path:
-        sys.path.insert(0, cwd)
+        sys.path.append(cwd)
     parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if cwd not in parts:
-        os.environ["PYTHONPATH"] = os.pathsep.join([cwd, *parts])
+        os.environ["PYTHONPATH"] = os.pathsep.join([*parts, cwd])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -120,5 +120,5 @@ def test_the_working_folder_reaches_the_workers_through_pythonpath(monkeypatch, 
     monkeypatch.setenv("PYTHONPATH", "/somewhere")
     monkeypatch.setattr("sys.path", list(sys.path))
     _working_folder_importable()
-    assert os.environ["PYTHONPATH"].split(os.pathsep) == [str(tmp_path), "/somewhere"]
-    assert sys.path[0] == str(tmp_path)
+    assert os.environ["PYTHONPATH"].split(os.pathsep) == ["/somewhere", str(tmp_path)]
+    assert sys.path[-1] == str(tmp_path)  # last: a stray numpy.py there shadows nothing

@@ -110,9 +110,9 @@ def save_eval_plot(results: dict[int, dict[str, float]], out_dir: str | Path) ->
         if all(name in results[v] for v in versions):
             ax.plot(versions, [results[v][name] for v in versions], marker="o", markersize=3,
                     label=name.removeprefix("eval_"))
-    ax.set(xlabel="policy version (steps trained)", ylabel="share of held-out prompts", ylim=(-0.02, 1.08),
+    ax.set(xlabel="policy version (steps trained)", ylabel="share of held-out prompts", ylim=(-0.02, 1.3),
            title="Held-out evaluation")
-    ax.legend(loc="center right", fontsize="small")
+    ax.legend(loc="upper center", ncol=2, fontsize="small")  # above the curves, which stay in [0, 1]
     path = out / EVAL_PLOT_FILE
     fig.savefig(path, dpi=_DPI)
     return path

@@ -113,6 +113,8 @@ class IterationResult:
     """Stages found complete in the store and not run again."""
     busy: list[tuple[str, float, float]] = field(default_factory=list)
     """(pool, start, end) wall-clock seconds (time.time) of the step's rollout and training-rank tasks."""
+    reward_first_error: str = ""
+    """Why the step's first failed reward failed ("" when none did, or the step was scored earlier)."""
 
 
 @dataclass(frozen=True)
@@ -524,8 +526,10 @@ def _collect(step: int, values: dict[str, list], stage_seconds: dict[str, float]
         m["rollout_compute_seconds"] = max(r["rollout_seconds"] for r in roll)  # generate() alone
     if values.get("reference"):
         m["reference_compute_seconds"] = max(r["reference_seconds"] for r in values["reference"])
+    first_error = ""
     if values["reward"]:
         m["reward_failed"] = sum(r["reward_failed"] for r in values["reward"])
+        first_error = next((r["reward_first_error"] for r in values["reward"] if r.get("reward_first_error")), "")
     for r in values["advantage"]:
         m.update(r)
     trains = sorted(values["train"], key=lambda r: r["rank"])
@@ -566,7 +570,7 @@ def _collect(step: int, values: dict[str, list], stage_seconds: dict[str, float]
     busy = [("rollout", r["task_start"], r["task_end"]) for r in values["rollout"]]
     busy += [("train", r["task_start"], r["task_end"]) for s in ("reference", "proximal", "train") if s not in inside
              for r in values.get(s, [])]
-    return IterationResult(step, values["publish"][0], m, stage_seconds, events, skipped, busy)
+    return IterationResult(step, values["publish"][0], m, stage_seconds, events, skipped, busy, first_error)
 
 
 def _failure(client: Client, pools: Pools, step: int, stage: str, exc: BaseException) -> IterationError:

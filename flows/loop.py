@@ -360,6 +360,8 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
             tags = child.log_samples(table, set_tag=False) if cfg.mlflow.sample_groups else {}
             child.log_artifact(trace_path, "timelines")
             child.log_rollouts(store.ref(step).path, store.digest(step), store.array_specs(step))
+            if result.reward_first_error:
+                tags["reward.first_error"] = result.reward_first_error
             child.log_metrics(result.metrics, tags={**tags, **child.policy_tags(
                 result.policy.version, result.policy.path, result.policy.sha256)})
         if plot_rows is not None:  # refresh the plots
@@ -382,6 +384,7 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
             dropped_below = max(dropped_below, step)
 
     dropped_below = 0  # versions below this hold no optimiser state (train.keep_optimizer_state=latest)
+    failed_steps: list[int] = []  # the latest run of consecutive steps whose every reward failed
 
     codecs: list[TextCodec] = []
 
@@ -436,6 +439,7 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
         if plot:
             plotted_at = time.monotonic()
         queue.submit(log_step, handle, result, [{"step": r.step, **r.metrics} for r in results] if plot else None)
+        _check_rewards(cfg, result, failed_steps)  # after the step's lineage is queued: a stop still logs it
         outer.update(1)
         outer.set_postfix(reward=f"{result.metrics.get('reward_mean', float('nan')):.3f}")
 
@@ -476,6 +480,26 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
     outer.close()
     _add_idle(results)
     return results
+
+
+def _check_rewards(cfg: GRPOConfig, result: IterationResult, failed_steps: list[int]) -> None:
+    """Say when a step's rewards failed, with the first reason; stop the run once
+    reward.max_failed_steps consecutive steps had every sample's reward fail (they train nothing)."""
+    failed = int(result.metrics.get("reward_failed", 0))
+    if not failed:
+        failed_steps.clear()
+        return
+    samples = cfg.task.prompts_per_step * cfg.rollout.group_size
+    why = result.reward_first_error or "the reason was not recorded"
+    log.warning("step %d: %d of %d rewards failed; the first: %s", result.step, failed, samples, why)
+    if failed < samples:
+        failed_steps.clear()
+        return
+    failed_steps.append(result.step)
+    limit = cfg.reward.max_failed_steps
+    if limit and len(failed_steps) >= limit:
+        raise IterationError(f"every sample's reward failed in steps {failed_steps[0]}-{failed_steps[-1]} "
+                             f"(reward.max_failed_steps={limit}); the first failure: {why}. Fix reward.functions")
 
 
 def _idle_seconds(busy: list[tuple[float, float]], lo: float, hi: float) -> float:

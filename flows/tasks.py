@@ -305,9 +305,10 @@ def rollout_task(cfg: GRPOConfig, ref: StepRef, policy: PolicyRef, prompt_start:
     arrays, scoring = rows.arrays, {}
     if score:
         t0 = time.perf_counter()
-        scores = _score(cfg, policy.path, rows.arrays, records)
+        scores, first_error = _score(cfg, policy.path, rows.arrays, records)
         arrays = {**arrays, **scores}
-        scoring = {"reward_seconds": time.perf_counter() - t0, "reward_failed": float(scores["reward_failed"].sum())}
+        scoring = {"reward_seconds": time.perf_counter() - t0, "reward_failed": float(scores["reward_failed"].sum()),
+                   "reward_first_error": first_error}
     store.write_rows(ref.step, arrays, start=rows.row_start)
     return {**rows.metrics, **load, **scoring, "task_start": t_start, "task_end": time.time()}
 
@@ -364,21 +365,23 @@ def score_task(cfg: GRPOConfig, ref: StepRef, policy_path: str, start: int, stop
     rows = store.read(ref.step, "tokens", "length", start=start, stop=stop)
     G = cfg.rollout.group_size
     stamp = store.attrs(ref.step).get("data_stamp")
-    scores = _score(cfg, policy_path, rows, _records(cfg, policy_path, ref.step, start // G, stop // G, stamp))
+    scores, first_error = _score(cfg, policy_path, rows,
+                                 _records(cfg, policy_path, ref.step, start // G, stop // G, stamp))
     store.write_rows(ref.step, scores, start=start)
-    return reward_statistics(scores["reward"], rows["length"], G, scores["reward_failed"])
+    return {**reward_statistics(scores["reward"], rows["length"], G, scores["reward_failed"]),
+            "reward_first_error": first_error}
 
 
 def _score(cfg: GRPOConfig, policy_path: str, rows: dict[str, np.ndarray], records: list[PromptRecord]
-           ) -> dict[str, np.ndarray]:
+           ) -> tuple[dict[str, np.ndarray], str]:
     """Rewards, failures and group-normalised advantages of rows holding ``tokens`` and ``length``
-    of whole groups, ``records`` their prompts. The groups are in memory, so their advantages are
+    of whole groups, ``records`` their prompts; and why the first failed sample failed ("" if none). The groups are in memory, so their advantages are
     computed there (numpy): the per-group function :func:`advantage_task` maps over the stored
     chunks with dask.array, the same values bit for bit, without a task graph to build (~2 ms a
     call, on every rollout task's path with reward.in_rollout)."""
     scored = score_rows(_codec(cfg, policy_path), rows, records, cfg.rollout.group_size, cfg.reward)
     adv = normalize_advantages(scored.reward, cfg.rollout.group_size, cfg.advantage, ~scored.failed)
-    return {"reward": scored.reward, "reward_failed": scored.failed, "advantage": adv}
+    return {"reward": scored.reward, "reward_failed": scored.failed, "advantage": adv}, scored.first_error
 
 
 def mark_scored(cfg: GRPOConfig, ref: StepRef, *scores: dict, rollout: bool = False) -> dict[str, float]:

@@ -196,12 +196,17 @@ class RewardConfig:
     memory_limit_bytes: Optional[int] = 4 << 30
     """Address-space limit of the reward process (RLIMIT_AS); unset: no limit. Virtual memory, not
     resident: a reward module that imports torch needs well over 1 GiB of it."""
+    max_failed_steps: int = 3
+    """Stop the run after this many consecutive steps in which every sample's reward failed (a
+    reward that raises, times out or returns no finite number on everything trains nothing); 0:
+    never stop. Every step with a failed sample logs the count and the first failure's reason."""
 
     def __post_init__(self) -> None:
         from stages.reward import RewardFunctionError, check_reward_functions
 
         _require(len(self.functions) >= 1, "reward.functions is empty: name at least one reward, e.g. [exact_match]")
         _require(self.num_tasks >= 1, "reward.num_tasks must be >= 1")
+        _require(self.max_failed_steps >= 0, f"reward.max_failed_steps={self.max_failed_steps} must be >= 0 (0: never stop)")
         _in_range("reward.timeout_s", self.timeout_s, low_ok=False)
         _require(self.memory_limit_bytes is None or self.memory_limit_bytes >= 1 << 24,
                  f"reward.memory_limit_bytes={self.memory_limit_bytes} must be >= 16 MiB (or unset)")

@@ -156,6 +156,9 @@ from stages.reward import math_answer as _math_answer  # noqa: E402,F401
 class ScoredGroups:
     reward: np.ndarray  # [N] float32
     failed: np.ndarray  # [N] bool
+    first_error: str = ""
+    """Why the first failed sample failed ("function: ExceptionType: message", a time-out, a dead
+    process, a non-finite value); empty when none failed."""
 
 
 def score_samples(prompts: list[str], completions: list[str], functions: list[str], timeout_s: float,
@@ -174,15 +177,17 @@ def score_samples(prompts: list[str], completions: list[str], functions: list[st
     failed = np.zeros(len(prompts), dtype=bool)
     names = tuple(functions)
     samples = [(p, c, {} if fields is None else fields[i]) for i, (p, c) in enumerate(zip(prompts, completions))]
-    i = 0
+    i, first_error = 0, ""
     while i < len(samples):  # a sample that kills or hangs the process ends a batch: go on on a fresh one
         proc = reward_process(names, memory_limit_bytes, _STARTUP_TIMEOUT_S)
         for value in proc.score_many(samples[i:], timeout_s):
-            value = math.nan if isinstance(value, SampleFailed) else value
+            why = str(value) if isinstance(value, SampleFailed) else ""
+            value = math.nan if why else value
             # Finite in float64 may still overflow the float32 column.
             if math.isfinite(value) and abs(value) <= _FLOAT32_MAX:
                 reward[i] = value
             else:
                 failed[i] = True
+                first_error = first_error or why or f"{', '.join(names)}: returned {value}, not a finite number"
             i += 1
-    return ScoredGroups(reward, failed)
+    return ScoredGroups(reward, failed, first_error)

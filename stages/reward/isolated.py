@@ -212,12 +212,13 @@ def _serve() -> None:
         except EOFError:
             return
         for prompt, completion, fields in samples:  # one answer per sample, as soon as it is scored
+            name = functions[0]
             try:
                 total = 0.0
-                for fn, accepted in loaded:
+                for name, (fn, accepted) in zip(functions, loaded):
                     kwargs = fields if accepted is None else {k: v for k, v in fields.items() if k in accepted}
                     total += float(fn(prompt=prompt, completion=completion, **kwargs))
                 reply: tuple[str, Any] = ("ok", total)
             except BaseException as exc:  # MemoryError, SystemExit from user code: a failed sample
-                reply = ("error", f"{type(exc).__name__}: {str(exc)[:300]}")
+                reply = ("error", f"{name}: {type(exc).__name__}: {str(exc)[:300]}")
             _write_frame(out_fd, reply)

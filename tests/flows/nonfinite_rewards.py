@@ -11,3 +11,8 @@ def nan_reward(prompt: str, completion: str) -> float:
 
 def inf_reward(prompt: str, completion: str) -> float:
     return -math.inf
+
+
+def raising_reward(prompt: str, completion: str) -> float:
+    """A reward that fails on every sample, with a message the run must show."""
+    raise RuntimeError("the grader is broken")

@@ -231,3 +231,14 @@ def test_last_number_takes_the_final_number_only():
     assert score(prompt="", completion="no idea", answer="81") == 0.0
     with pytest.raises(ValueError, match="answer_field"):
         score(prompt="", completion="3")
+
+
+def test_the_first_failure_is_told_with_its_function():
+    from stages.reward import score_samples
+
+    raising = "tests.flows.nonfinite_rewards:raising_reward"
+    scored = score_samples(["1+1="] * 3, ["2", "3", "4"], ["exact_match", raising], 5.0)
+    assert scored.failed.all() and scored.first_error == f"{raising}: RuntimeError: the grader is broken"
+    nan = score_samples(["1+1="], ["2"], ["tests.flows.nonfinite_rewards:nan_reward"], 5.0)
+    assert nan.first_error.endswith("returned nan, not a finite number")
+    assert score_samples(["1+1="], ["2"], ["exact_match"], 5.0).first_error == ""

@@ -25,11 +25,11 @@ from stages.data import DatasetConfig
 from stages.data.readers import read_records
 from stages.data.source import FilePromptSource, PromptRecord
 from stages.eval import eval_metrics, final_answer
-from stages.files import file_stamp
 from stages.policy import DecoderConfig, build_stage, load_hf_state
 from stages.policy.tokenizer import TextCodec
 from stages.reward import score_samples
-from stages.rollout.engine import FINISH_LENGTH, EngineConfig, SamplingParams, engine_placement, generate
+from stages.rollout.engine import (FINISH_LENGTH, EngineConfig, RolloutBatch, SamplingParams, engine_placement,
+                                   generate)
 from stages.steps import decode_completions
 from storage.policies import PolicyRef, load_model_folder
 from storage.run_folder import RunFolder
@@ -67,25 +67,8 @@ def eval_records(cfg: GRPOConfig, codec: TextCodec) -> list[PromptRecord]:
     return FilePromptSource(dataset, codec, len(raw), raw).records(0)
 
 
-_RECORDS: dict[tuple, tuple[TextCodec, list[PromptRecord]]] = {}  # a worker's parsed held-out prompts
-_MAX_RECORDS = 4  # (eval config, file, version folder) entries: one per version evaluated lately
-
-
-def _cached_records(cfg: GRPOConfig, policy_path: str) -> tuple[TextCodec, list[PromptRecord]]:
-    """The codec and held-out records of one version folder (each has its own tokenizer files),
-    parsed again when the eval config or the file's stamp changes."""
-    key = (config_hash({"eval": cfg.eval, "chat_template": cfg.dataset.chat_template}),
-           file_stamp(cfg.eval.path), policy_path)
-    if key not in _RECORDS:
-        if len(_RECORDS) >= _MAX_RECORDS:
-            _RECORDS.clear()
-        codec = TextCodec.from_policy_folder(policy_path, cfg.dataset.chat_template)
-        _RECORDS[key] = codec, eval_records(cfg, codec)
-    return _RECORDS[key]
-
-
-def _generate(model, codec: TextCodec, records: list[PromptRecord], cfg: GRPOConfig, n: int, greedy: bool,
-              version: int):
+def _generate(model: torch.nn.Module, codec: TextCodec, records: list[PromptRecord], cfg: GRPOConfig, n: int,
+              greedy: bool, version: int) -> RolloutBatch:
     r, e = cfg.rollout, cfg.eval
     # Greedy: only the most likely token is kept (top_k = 1), so the draw is the argmax.
     params = SamplingParams(n, e.max_new_tokens or r.max_new_tokens, 1.0 if greedy else r.temperature,
@@ -104,7 +87,8 @@ def evaluate_version(cfg: GRPOConfig, folder: RunFolder, policy: PolicyRef) -> d
         return done
     t0 = time.perf_counter()
     e = cfg.eval
-    codec, records = _cached_records(cfg, policy.path)
+    codec = TextCodec.from_policy_folder(policy.path, cfg.dataset.chat_template)
+    records = eval_records(cfg, codec)
     hf_config, _, tensors = load_model_folder(policy.path)
     device, dtype = engine_placement(cfg.rollout.device, cfg.rollout.dtype)
     model = build_stage(DecoderConfig.from_hf(hf_config)).to(device=device, dtype=dtype)

@@ -246,7 +246,7 @@ def _run(cfg: GRPOConfig, progress: bool) -> RunSummary:
         eval_plot = save_eval_plot(evaluated, folder.plots)
         if eval_plot is not None:
             lineage.log_plots([eval_plot])
-        summary = _summarise(cfg, lineage, uri, folder, results, time.perf_counter() - start)
+        summary = _summarise(cfg, lineage, uri, folder, results, time.perf_counter() - start, evaluated)
         summary_path = folder.save_summary(summary.to_json())
         lineage.log_summary({"wall_seconds": summary.wall_seconds, **_idle_fractions(results)}, [summary_path])
         lineage.finish()
@@ -540,8 +540,8 @@ def _add_idle(results: list[IterationResult]) -> None:
 
 
 def _summarise(cfg: GRPOConfig, lineage: Lineage, tracking_uri: str, folder: RunFolder,
-                results: list[IterationResult],
-               wall_s: float) -> RunSummary:
+                results: list[IterationResult], wall_s: float,
+                evaluated: dict[int, dict[str, float]] | None = None) -> RunSummary:
     """The summary of every step of the run, resumed ones included, from the metrics stored with
     each step's "lineage" mark, with what this process measured once every step had run (idle
     seconds of the pools); wall_seconds is this process's."""
@@ -565,7 +565,7 @@ def _summarise(cfg: GRPOConfig, lineage: Lineage, tracking_uri: str, folder: Run
         iterations=len(metrics), reward_mean=[m.get("reward_mean", float("nan")) for m in metrics],
         wall_seconds=wall_s, stage_seconds={s: [m.get(f"{s}_seconds", 0.0) for m in metrics] for s in names},
         metrics=[{"step": step, **m} for step, m in enumerate(metrics)], policy_path=last.path,
-        eval=load_eval_results(cfg, folder))
+        eval=load_eval_results(cfg, folder) if evaluated is None else evaluated)
 
 
 def format_summary(summary: RunSummary) -> str:

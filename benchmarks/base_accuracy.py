@@ -14,6 +14,7 @@ the last integer in it equals the answer; ``math_answer`` is the project's rewar
     make model    # models/smollm2-135m-instruct
     .venv/bin/python benchmarks/base_accuracy.py [--model DIR] [--tasks add2 word] [--num-prompts 64]
         [--max-new-tokens 48] [--suffix " Answer with a number."] [--show 2] [--threads 2]
+        [--temperature 0.6 --samples 4]   # sampled instead of greedy
 """
 
 from __future__ import annotations
@@ -54,22 +55,28 @@ def last_integer(text: str) -> int | None:
     return int(found[-1].replace(",", "")) if found else None
 
 
-def run_task(model, tokenizer, problems: list[tuple[str, int]], suffix: str, max_new_tokens: int) -> dict:
+def run_task(model, tokenizer, problems: list[tuple[str, int]], suffix: str, max_new_tokens: int,
+             temperature: float = 0.0, samples: int = 1) -> dict:
+    """Greedy (temperature 0) or ``samples`` sampled completions a prompt; results in prompt order,
+    a prompt's samples together."""
     chats = [[{"role": "user", "content": prompt + suffix}] for prompt, _ in problems]
     batch = tokenizer.apply_chat_template(chats, add_generation_prompt=True, tokenize=True, padding=True,
                                           return_dict=True, return_tensors="pt")
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+                        num_return_sequences=samples) if temperature > 0 else dict(do_sample=False)
+        out = model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id, **sampling)
     seconds = time.perf_counter() - start
     new = out[:, batch["input_ids"].shape[1]:]  # [num_prompts, <= max_new_tokens]
     ended = new == tokenizer.eos_token_id
     # tokens before the first EOS (all of them where none came: cut at the cap)
     lengths = torch.where(ended.any(1), ended.int().argmax(1), new.shape[1])
     texts = [tokenizer.decode(row[:n]) for row, n in zip(new.tolist(), lengths.tolist())]
+    problems = [p for p in problems for _ in range(samples if temperature > 0 else 1)]
     right = [last_integer(t) == answer for t, (_, answer) in zip(texts, problems)]
-    return dict(texts=texts, right=right, lengths=lengths.tolist(), seconds=seconds,
+    return dict(texts=texts, right=right, problems=problems, lengths=lengths.tolist(), seconds=seconds,
                 prompt_tokens=int(batch["attention_mask"].sum(1).float().mean()))
 
 
@@ -87,6 +94,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--suffix", default="", help="appended to every prompt, e.g. ' Answer with a number.'")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled at this temperature")
+    parser.add_argument("--samples", type=int, default=1, help="sampled completions a prompt (with --temperature)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--show", type=int, default=2, help="completions printed per task")
     args = parser.parse_args()
@@ -98,7 +107,9 @@ def main() -> None:
     rows = []
     for i, name in enumerate(args.tasks):
         problems = TASKS[name](args.num_prompts, args.seed * 1000 + i)
-        res = run_task(model, tokenizer, problems, args.suffix, args.max_new_tokens)
+        torch.manual_seed(args.seed)
+        res = run_task(model, tokenizer, problems, args.suffix, args.max_new_tokens, args.temperature, args.samples)
+        problems = res["problems"]  # one per completion
         acc = float(np.mean(res["right"]))
         verified = float(np.mean(math_answer_scores(res["texts"], problems)))
         capped = float(np.mean([n == args.max_new_tokens for n in res["lengths"]]))
@@ -106,7 +117,8 @@ def main() -> None:
                      capped, res["prompt_tokens"], res["seconds"]))
         for (prompt, answer), text, ok in list(zip(problems, res["texts"], res["right"]))[: args.show]:
             print(f"[{name}] {prompt!r} -> {text!r} (answer {answer}: {'right' if ok else 'wrong'})")
-    print(f"\n{args.model}, greedy, {args.num_prompts} prompts a task, <= {args.max_new_tokens} new tokens, "
+    how = f"temperature {args.temperature} x {args.samples}" if args.temperature > 0 else "greedy"
+    print(f"\n{args.model}, {how}, {args.num_prompts} prompts a task, <= {args.max_new_tokens} new tokens, "
           f"suffix {args.suffix!r}, {args.threads} threads")
     print("| task | last-integer accuracy | +- s.e. | math_answer | mean completion tokens | at the cap "
           "| mean prompt tokens | generate s |")

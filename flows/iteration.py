@@ -69,7 +69,7 @@ def inside_stages(cfg: GRPOConfig, done: Collection[str] = ()) -> dict[str, str]
     stages a resumed step has complete; a pair one of whose stages is among them runs apart (the
     other stage alone, or neither)."""
     pairs = {**({"reward": "rollout"} if cfg.reward.in_rollout else {}),
-             **({"reference": "train"} if cfg.train.reference_pass == "fused" else {})}
+             **({"reference": "train"} if cfg.train.reference_pass == "fused" and cfg.train.uses_reference else {})}
     return {stage: host for stage, host in pairs.items() if not {stage, host} & set(done)}
 
 
@@ -82,12 +82,12 @@ def stage_inputs(through: Collection[str]) -> dict[str, tuple[str, ...]]:
 
 
 def step_stages(cfg: GRPOConfig) -> tuple[str, ...]:
-    """The stages of every step: :data:`STAGES`, plus ``proximal`` when the loss is decoupled PPO
-    with a stored proximal pass (train.off_policy.proximal = pass)."""
+    """The stages of every step: :data:`STAGES` less ``reference`` when nothing reads the
+    reference's log-probs (train.uses_reference: kl_beta 0), plus ``proximal`` when the loss is
+    decoupled PPO with a stored proximal pass (train.off_policy.proximal = pass)."""
     opc = effective_off_policy(cfg.train, cfg.rollout.max_staleness)
-    if opc.decoupled and opc.proximal == "pass":
-        return STAGES[:3] + ("proximal",) + STAGES[3:]
-    return STAGES
+    stages = STAGES[:3] + (("proximal",) if opc.decoupled and opc.proximal == "pass" else ()) + STAGES[3:]
+    return tuple(s for s in stages if s != "reference" or cfg.train.uses_reference)
 
 
 class IterationError(RuntimeError):
@@ -305,7 +305,9 @@ def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, re
 
     # train.reference_pass = fused: the train tasks run the reference pass (tasks.train_task).
     fused = "reference" in inside
-    if "reference" in done:
+    if "reference" not in step_stages(cfg):
+        reference = ()  # kl_beta 0: no pass; the train tasks read zeros for ref_logp
+    elif "reference" in done:
         reference = skip("reference")
     elif fused:
         reference = ()
@@ -482,7 +484,8 @@ def finish_iteration(pending: PendingIteration, on_stage: Callable[[str], None] 
                     f.cancel()
 
     inside = {s.stage: s.inside for s in stages.values() if s.inside}
-    after = stage_inputs({*inside, *(s.stage for s in stages.values() if s.beside)})
+    # A stage the step does not have (kl_beta 0: reference) passes its inputs' times through.
+    after = stage_inputs({*inside, *(s.stage for s in stages.values() if s.beside), *(set(_AFTER) - set(stages))})
     stage_seconds = {s: finished_at[s] - max((finished_at[d] for d in after[s] if d in finished_at), default=start)
                      for s in pending.names}
     for s, host in inside.items():  # its own seconds in the host's tasks (the slowest one's), out of the host's

@@ -577,8 +577,9 @@ def format_summary(summary: RunSummary) -> str:
     lines.append(header)
     for m in summary.metrics:
         lines.append(f"{m['step']:>4} {m.get('reward_mean', float('nan')):>7.3f} {m.get('loss', 0):>8.4f} "
-                     f"{m.get('kl', 0):>7.4f} {m.get('clip_fraction', 0):>6.3f} {m.get('bubble_fraction', 0):>6.3f} "
-                     + " ".join(f"{m[f'{s}_seconds']:>7.2f}" for s in STAGES))
+                     f"{m['kl'] if 'kl' in m else float('nan'):>7.4f} {m.get('clip_fraction', 0):>6.3f} {m.get('bubble_fraction', 0):>6.3f} "
+                     + " ".join(f"{m[f'{s}_seconds']:>7.2f}" if f"{s}_seconds" in m else f"{'-':>7}"
+                                for s in STAGES))
     totals = " ".join(f"{sum(summary.stage_seconds.get(s, [0.0])):>7.2f}" for s in STAGES)
     lines.append(f"{'all':>4} {'':>7} {'':>8} {'':>7} {'':>6} {'':>6} {totals}")
     if summary.reward_mean:

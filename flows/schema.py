@@ -31,6 +31,8 @@ __all__ = ["ConfigError", "PLACEMENTS", "WEIGHT_SYNCS", "ClusterConfig", "Mlflow
 PLACEMENTS = ("colocated", "decoupled")
 WEIGHT_SYNCS = ("memory", "disk")
 CONTENT_HASHES = ("verify", "send", "none")
+# train.reference_parallel=auto holds the whole reference on every rank up to this size (8 GB in float32).
+_WHOLE_REFERENCE_MAX_PARAMS = 2_000_000_000
 
 
 def _first_line(exc: BaseException) -> str:
@@ -152,6 +154,19 @@ class MlflowConfig:
         _require(self.sample_groups >= 0, "mlflow.sample_groups must be >= 0")
 
 
+def resolve_reference_parallel(train: TrainConfig, shape: ModelShape | None) -> str:
+    """train.reference_parallel with auto resolved for a model of ``shape`` (needed only for auto
+    at tensor_model_parallel_size 1): :attr:`GRPOConfig.reference_parallel`."""
+    if train.reference_parallel != "auto":
+        return train.reference_parallel
+    if train.tensor_model_parallel_size > 1 or shape is None:
+        return "pipeline"
+    h = shape.hidden_size
+    layer = h * (2 * shape.q_dim + 2 * shape.kv_dim) + 3 * h * shape.intermediate_size  # attention + SwiGLU
+    params = shape.vocab_size * h * (1 if shape.tie_word_embeddings else 2) + shape.num_hidden_layers * layer
+    return "data" if params <= _WHOLE_REFERENCE_MAX_PARAMS else "pipeline"
+
+
 @dataclass(frozen=True)
 class GRPOConfig:
     run_name: str = "tiny"
@@ -225,6 +240,15 @@ class GRPOConfig:
             raise ConfigError(f"model.path={self.model.path}: config.json: {_first_line(exc)}") from None
 
     @property
+    def reference_parallel(self) -> str:
+        """train.reference_parallel resolved: auto is data when tensor_model_parallel_size is 1 and
+        the whole model has at most :data:`_WHOLE_REFERENCE_MAX_PARAMS` parameters, else pipeline."""
+        t = self.train
+        if t.reference_parallel != "auto" or t.tensor_model_parallel_size > 1:
+            return resolve_reference_parallel(t, None)
+        return resolve_reference_parallel(t, self.model_shape)
+
+    @property
     def prompt_width(self) -> int:
         """Token slots of the step layout's prompt column: the addition prompt "<bos>a+b=" (1 + 2 x
         num_digits + 2) for the built-in task, else dataset.max_prompt_tokens (a longer prompt is
@@ -250,7 +274,7 @@ class GRPOConfig:
                                       virtual=t.virtual_pipeline_model_parallel_size, schedule=t.schedule,
                                       num_microbatches=self.num_microbatches)
         _require(error is None, error or "")
-        _require(t.reference_parallel == "pipeline" or tp == 1,
+        _require(t.reference_parallel != "data" or tp == 1,
                  f"train.reference_parallel=data holds the whole reference on every rank; with "
                  f"train.tensor_model_parallel_size={tp} set train.reference_parallel=pipeline")
 

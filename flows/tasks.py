@@ -191,11 +191,13 @@ def init_train_rank(cfg: GRPOConfig, rank: int, init_method: str, policy: Policy
     hf_config, _, _ = load_model_folder(policy.path, names=set())
     model_cfg = DecoderConfig.from_hf(hf_config)
     setup = train_setup(cfg.train, model_cfg, cfg.num_microbatches, cfg.rollout.temperature, _faults_from_env(),
-                        cfg.rollout.max_staleness)
+                        cfg.rollout.max_staleness, cfg.reference_parallel)
     names = rank_tensor_names(model_cfg, setup.layout, setup.layout.coord(rank).pp)
     _, _, tensors = load_model_folder(policy.path, names=names)
     ref_tensors = None
-    if cfg.train.reference_parallel == "data":  # the whole reference on every rank
+    if not setup.reference:
+        pass  # kl_beta 0: the ranks hold no reference
+    elif setup.reference_parallel == "data":  # the whole reference on every rank
         _, _, ref_tensors = load_model_folder((reference or policy).path)
     elif reference is not None and reference.path != policy.path:
         _, _, ref_tensors = load_model_folder(reference.path, names=names)
@@ -403,7 +405,8 @@ def mark_scored(cfg: GRPOConfig, ref: StepRef, *scores: dict, rollout: bool = Fa
 def _read_sequences(store: RolloutStore, step: int, proximal: bool = False, reference: bool = True
                     ) -> dict[str, np.ndarray]:
     """The arrays build_global_batch reads; ``proximal``: with prox_logp (decoupled PPO's anchor);
-    ``reference`` False: ref_logp not read but zeros (the train task computes it)."""
+    ``reference`` False: ref_logp not read but zeros (the train task computes it, or nothing reads
+    it: kl_beta 0)."""
     a = store.read(step, "prompt_ids", "prompt_len", "tokens", "length", "behav_logp", "advantage", "reward_failed",
                    *(("ref_logp",) if reference else ()), *(("prox_logp",) if proximal else ()))
     if not reference:
@@ -477,7 +480,8 @@ def train_task(cfg: GRPOConfig, ref: StepRef, folder: RunFolder, new_version: in
     _threads(cfg, "train")
     engine = _rank(cfg.run_name)
     store = RolloutStore(ref.root)
-    a = _read_sequences(store, ref.step, proximal="proximal" in store.completed(ref.step), reference=not with_reference)
+    a = _read_sequences(store, ref.step, proximal="proximal" in store.completed(ref.step),
+                        reference=cfg.train.uses_reference and not with_reference)
     batch = build_global_batch(a, cfg.train.loss_aggregation, engine.setup.model.pad_token_id or 0,
                                cfg.microbatch_layout, reward_failed=a["reward_failed"],
                                group_size=cfg.rollout.group_size)

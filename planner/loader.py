@@ -31,7 +31,7 @@ from planner.config import (
     WorkloadConfig,
 )
 from planner.model import ModelShape, model_from_hf_config
-from flows.schema import ConfigError, GRPOConfig
+from flows.schema import ConfigError, GRPOConfig, resolve_reference_parallel
 from storage.model_folder import ModelFolderError
 
 __all__ = ["plan_config_from_run", "plan_config_from_dict", "load_plan_config"]
@@ -108,7 +108,9 @@ def plan_config_from_run(run: GRPOConfig, *, base_dir: str | Path = ".") -> Plan
         if key in _RUN_TRAIN_KEYS:
             raise PlanConfigError(f"plan.train.{key}: the run's own setting; set train.{key} instead")
     t = run.train
-    train_values = {**{k: getattr(t, k) for k in _RUN_TRAIN_KEYS}, **train_knobs,
+    shape = _model_shape(run, Path(base_dir))
+    train_values = {**{k: getattr(t, k) for k in _RUN_TRAIN_KEYS},
+                    "reference_parallel": resolve_reference_parallel(t, shape), **train_knobs,
                     **{k: plan[k] for k in _PLAN_TOP_KEYS if k in plan}}
     train = _build_section(TrainConfig, "plan.train", train_values)
     workload_knobs = _mapping(plan, "workload")
@@ -119,7 +121,7 @@ def plan_config_from_run(run: GRPOConfig, *, base_dir: str | Path = ".") -> Plan
     workload = _build_section(WorkloadConfig, "plan.workload", {
         "prompts_per_step": run.task.prompts_per_step, "group_size": run.rollout.group_size,
         "prompt_len": run.prompt_width, "gen_len": run.rollout.max_new_tokens, **workload_knobs})
-    return PlanConfig(model_shape=_model_shape(run, Path(base_dir)), train=train, workload=workload, **sections)
+    return PlanConfig(model_shape=shape, train=train, workload=workload, **sections)
 
 
 def _mapping(plan: Mapping[str, Any], name: str) -> Mapping[str, Any]:

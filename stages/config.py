@@ -28,6 +28,7 @@ __all__ = [
     "TrainConfig",
     "SCHEDULES",
     "LOSS_AGGREGATIONS",
+    "POLICY_RATIOS",
     "ASYNC_OFF_POLICY",
     "effective_off_policy",
 ]
@@ -54,9 +55,11 @@ def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
 
 
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+POLICY_RATIOS = ("token", "sequence")
 ESTIMATORS = ("grpo", "dr_grpo")
 KEEP_OPTIMIZER_STATE = ("latest", "all")
-REFERENCE_PARALLEL = ("pipeline", "data")
+REFERENCE_PARALLEL = ("auto", "pipeline", "data")
+REFERENCE_COMPUTE = ("auto", "always")
 REFERENCE_PASSES = ("separate", "fused")
 ROLLOUT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 TRAIN_DEVICES = ("cpu", "cuda", "auto")
@@ -278,6 +281,12 @@ class TrainConfig:
     kl_beta: float = 0.02
     """Weight of the k3 KL estimate to the reference policy."""
     loss_aggregation: str = "token-mean"
+    policy_ratio: str = "token"
+    """token: GRPO's per-token ratio pi_theta / pi_old, clipped per token. sequence: GSPO (Zheng et
+    al. 2025), one ratio per completion, the geometric mean of its tokens' ratios, clipped per
+    sequence, its surrogate given to each of its tokens (the k3 KL stays per token); its objective
+    is the paper's with loss_aggregation seq-mean-token-mean. On-policy both give the same
+    gradient (stages/train/loss.py)."""
     off_policy: Optional[OffPolicyConfig] = None
     """Importance weights and clamps of the loss (stages/train/loss.py OffPolicyConfig). Unset: decoupled
     PPO with token-level TIS capped at 2 when rollout.max_staleness >= 1, the plain on-policy loss
@@ -293,8 +302,16 @@ class TrainConfig:
     dtype: str = "float32"
     """float32, or bfloat16: every forward of the policy and the reference runs under torch.autocast
     (weights, gradients and AdamW's state stay float32)."""
-    reference_parallel: str = "pipeline"
-    """How the training ranks run the frozen reference's forward pass. pipeline: split into the
+    reference: str = "auto"
+    """When the frozen reference's log-probs are computed. auto: only when the loss uses them
+    (kl_beta > 0); at kl_beta 0 the step has no reference stage, the ranks hold no reference copy,
+    the ``kl`` metric is not logged, and the trained weights are the same bit for bit as with the
+    pass (0 x KL adds nothing). always: at kl_beta 0 too, to log ``kl`` (the drift from the
+    reference) while nothing pulls towards it."""
+    reference_parallel: str = "auto"
+    """How the training ranks run the frozen reference's forward pass. auto: data when
+    tensor_model_parallel_size is 1 and the whole model has at most 2 B parameters (every rank can
+    hold it beside its stages), else pipeline. pipeline: split into the
     pipeline's stages like the policy (each rank holds its stages' share; a pass pays the
     pipeline's fill, drain and a hand-off per microbatch). data: every rank holds the whole
     reference and runs its share of the microbatches on its own, then one reduction gathers the
@@ -319,6 +336,8 @@ class TrainConfig:
         _one_of("train.schedule", self.schedule, SCHEDULES)
         _one_of("train.keep_optimizer_state", self.keep_optimizer_state, KEEP_OPTIMIZER_STATE)
         _one_of("train.loss_aggregation", self.loss_aggregation, LOSS_AGGREGATIONS)
+        _one_of("train.policy_ratio", self.policy_ratio, POLICY_RATIOS)
+        _one_of("train.reference", self.reference, REFERENCE_COMPUTE)
         _one_of("train.reference_parallel", self.reference_parallel, REFERENCE_PARALLEL)
         _one_of("train.reference_pass", self.reference_pass, REFERENCE_PASSES)
         _one_of("train.device", self.device, TRAIN_DEVICES)
@@ -346,6 +365,11 @@ class TrainConfig:
                  "set train.packing=true or unset it")
         _require(0 <= self.clip_eps_low < 1, "train.clip_eps_low must be in [0, 1)")
         _require(self.clip_eps_high >= 0, "train.clip_eps_high must be >= 0")
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether a step computes the frozen reference's log-probs (``reference``)."""
+        return self.kl_beta > 0 or self.reference == "always"
 
     @property
     def world_size(self) -> int:

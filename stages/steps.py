@@ -115,10 +115,13 @@ def reward_statistics(reward: np.ndarray, length: np.ndarray, group_size: int,
 
 
 def train_setup(train: TrainConfig, model_cfg: DecoderConfig, num_microbatches: int, temperature: float,
-                faults: tuple[InjectedFault, ...] = (), max_staleness: int = 0) -> TrainSetup:
+                faults: tuple[InjectedFault, ...] = (), max_staleness: int = 0,
+                reference_parallel: Optional[str] = None) -> TrainSetup:
     """A training rank's setup: the train section, the model, the per-pipeline microbatch count
     and the rollout temperature (the loss scores log-probs at the sampling temperature);
-    max_staleness picks the off-policy default (stages/config.py effective_off_policy)."""
+    max_staleness picks the off-policy default (stages/config.py effective_off_policy);
+    reference_parallel: train.reference_parallel resolved (GRPOConfig.reference_parallel; None:
+    the section's own value, or pipeline for auto)."""
     t = train
     return TrainSetup(
         model=model_cfg, pipeline_parallel_size=t.pipeline_model_parallel_size,
@@ -127,6 +130,8 @@ def train_setup(train: TrainConfig, model_cfg: DecoderConfig, num_microbatches: 
         tensor_parallel_size=t.tensor_model_parallel_size, lr=t.lr, weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm,
         loss=LossConfig(t.clip_eps_low, t.clip_eps_high, t.kl_beta, temperature,
-                        effective_off_policy(t, max_staleness)),
+                        effective_off_policy(t, max_staleness), ratio_level=t.policy_ratio),
         logprob_chunk_tokens=t.logprob_chunk_tokens, timeout_s=t.timeout_s, faults=faults,
-        reference_parallel=t.reference_parallel, device=t.device, dtype=t.dtype)
+        reference_parallel=reference_parallel or (t.reference_parallel if t.reference_parallel != "auto"
+                                                  else "pipeline"),
+        reference=t.uses_reference, device=t.device, dtype=t.dtype)

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from stages.config import REFERENCE_PARALLEL, TRAIN_DEVICES, TRAIN_DTYPES
+from stages.config import TRAIN_DEVICES, TRAIN_DTYPES
 from stages.policy import DecoderConfig, build_stage, hf_named_parameters, load_hf_state, stage_hf_names
 from stages.train.batch import BucketedBatch
 from stages.train.faults import (InjectedFault, InputMismatchError, NonFiniteGradientError, StepGuard,
@@ -123,8 +123,11 @@ class TrainSetup:
     faults: tuple[InjectedFault, ...] = ()
     """Test-only fault injection (stages/train/faults.py)."""
     reference_parallel: str = "pipeline"
-    """How the ranks run the frozen reference (train.reference_parallel): split into the pipeline's
-    stages like the policy, or whole on every rank, each taking a share of the microbatches."""
+    """How the ranks run the frozen reference (train.reference_parallel, resolved): split into the
+    pipeline's stages like the policy, or whole on every rank, each taking a share of the microbatches."""
+    reference: bool = True
+    """Whether the ranks hold the frozen reference at all (train.uses_reference): False when the
+    loss never reads its log-probs (kl_beta 0), so no copy of it is built."""
     device: str = "cpu"
     """Where each rank computes (train.device, :func:`train_placement`)."""
     dtype: str = "float32"
@@ -135,9 +138,8 @@ class TrainSetup:
                                self.virtual_stages, self.model.num_hidden_layers)
         if error:
             raise ValueError(error)
-        if self.reference_parallel not in REFERENCE_PARALLEL:
-            raise ValueError(f"reference_parallel={self.reference_parallel!r} is not one of "
-                             f"{', '.join(REFERENCE_PARALLEL)}")
+        if self.reference_parallel not in ("pipeline", "data"):  # resolved: GRPOConfig.reference_parallel
+            raise ValueError(f"reference_parallel={self.reference_parallel!r} is not one of pipeline, data")
         if self.reference_parallel == "data" and self.tensor_parallel_size > 1:
             raise ValueError(f"reference_parallel=data holds the whole reference on every rank; with "
                              f"tensor_parallel_size={self.tensor_parallel_size} use pipeline")
@@ -194,7 +196,9 @@ class TrainRank:
         # forward-only pass's microbatches; pipeline: its stages beside the policy's.
         self.reference_whole: Optional[LogpStage] = None
         self.reference: list[nn.Module] = []
-        if setup.reference_parallel == "data":
+        if not setup.reference:
+            pass  # kl_beta 0: nothing reads the reference's log-probs
+        elif setup.reference_parallel == "data":
             self.reference_whole = LogpStage(self._whole(ref_tensors), setup.loss.temperature,
                                              setup.logprob_chunk_tokens)
         else:
@@ -433,7 +437,10 @@ class TrainRank:
         if self.layout.dp > 1:
             dist.all_reduce(sums, group=self.groups.dp)
             dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.groups.dp)
-        return LossStats(*sums.tolist(), float(peak)).metrics()
+        metrics = LossStats(*sums.tolist(), float(peak)).metrics()
+        if not self.setup.reference:
+            del metrics["kl"]  # ref_logp holds zeros: there is no KL to the reference to report
+        return metrics
 
     def _tied_weights(self) -> list[nn.Parameter]:
         """This rank's copies of a tied embedding (one Parameter when a single stage holds both)."""
@@ -482,6 +489,8 @@ class TrainRank:
         holding the last stage (the ranks computing the loss). None elsewhere."""
         if what not in ("reference_logp", "proximal_logp"):
             raise ValueError(f"what={what!r} must be reference_logp or proximal_logp")
+        if what == "reference_logp" and not self.setup.reference:
+            raise ValueError("this rank holds no reference (TrainSetup.reference is False: kl_beta 0)")
         if to not in _LOGP_TO:
             raise ValueError(f"to={to!r} must be one of {', '.join(_LOGP_TO)}")
         passes = getattr(batch, "passes", (batch,))

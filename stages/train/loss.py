@@ -12,6 +12,17 @@ with the importance weight w = pi_prox / pi_behav, truncated (TIS) or masked (MI
 per token or per sequence (:class:`OffPolicyConfig`). With prox = behav every w is exactly 1.
 Dual-clip (Ye et al. 2020, verl ``clip_ratio_c``) bounds the loss of A < 0 tokens at -c * A.
 
+GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"; ``ratio_level="sequence"``) puts
+one ratio per sequence in place of r, the geometric mean of its tokens' ratios,
+
+    s_i = exp(mean_{t in i} (logp_t - logp_anchor_t)),     l_i = -min(s_i A_i, clip(s_i, ...) A_i)
+
+(dual clip and importance weight as above), and gives l_i to every token of sequence i; the k3 KL
+stays per token. Then sum_t W_t l_t = sum_i (sum_{t in i} W_t) l_i, the paper's mean_i l_i under
+seq-mean-token-mean (sum_{t in i} W_t = 1 / N_seq). On-policy (s_i = 1, no clip) d s_i / d logp_t
+= s_i / |y_i|, so token t of i gets -(sum_{t' in i} W_t') A_i / |y_i| = -W_t A_i, GRPO's gradient,
+in every aggregation mode (each holds W constant over a sequence).
+
 The loss is sum_t W_t * l_t. The weights W_t hold the aggregation mode's denominator, a
 property of the whole global batch computed before the pipeline runs (stages/train/batch.py), so
 summing microbatch losses gives the full-batch loss whatever the microbatching, and nothing inside
@@ -33,6 +44,10 @@ z = h_c W^T / T_s [c, V] and applies the log-softmax gradient in closed form,
 
 so neither the fp32 [tokens x vocab] logits nor one [vocab x hidden] weight gradient per chunk
 ever exist: at most a couple of [chunk_tokens x vocab] blocks and one weight-gradient buffer.
+Per-token ratios take g_t from the chunk's own terms. A sequence ratio makes g_t depend on the
+whole sequence, which chunks may split: the forward keeps every chunk's logp ([n] floats) and
+evaluates the loss over all of them at once, and the backward takes g = d loss / d logp [n] from
+that vector by autograd before it recomputes the chunks' logits.
 (torch.utils.checkpoint per chunk would keep the logits bounded too, but autograd then sums a
 fresh [V, H] weight gradient per chunk, which for a 150k vocabulary is as large as the logits.)
 """
@@ -40,11 +55,12 @@ fresh [V, H] weight gradient per chunk, which for a 150k vocabulary is as large 
 from __future__ import annotations
 
 from dataclasses import astuple, dataclass, field, fields
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Literal, NamedTuple, Optional
 
 import torch
 from torch import nn
 
+from stages.config import POLICY_RATIOS
 from stages.train.off_policy import IS_LEVELS, IS_MODES, OffPolicyConfig
 
 __all__ = ["LossConfig", "OffPolicyConfig", "IS_LEVELS", "IS_MODES", "TARGET_FIELDS", "ImportanceWeights", "TokenTerms",
@@ -68,6 +84,13 @@ class LossConfig:
     temperature: float = 1.0
     off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
     """Importance weights, dual-clip and the KL / log-ratio clamps."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """token: GRPO's ratio per token. sequence: GSPO's, one per sequence (module docstring);
+    the run config's ``train.policy_ratio``."""
+
+    def __post_init__(self) -> None:
+        if self.ratio_level not in POLICY_RATIOS:
+            raise ValueError(f"ratio_level={self.ratio_level!r} (train.policy_ratio): use one of {POLICY_RATIOS}")
 
 
 def token_logp(logits: torch.Tensor, next_ids: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -79,6 +102,22 @@ def token_logp(logits: torch.Tensor, next_ids: torch.Tensor, temperature: float)
 def _selected(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """values where mask, else 0: a select, so a nan / inf in a masked slot never propagates."""
     return torch.where(mask, values, torch.zeros_like(values))
+
+
+def _sequence_index(mask: torch.Tensor, sample_id: torch.Tensor) -> torch.Tensor:
+    """[...] index (0, 1, ...) of each token's sequence; tokens of one sample share its id, and
+    the masked slots share one index of their own."""
+    ids = torch.where(mask, sample_id, torch.full_like(sample_id, -1.0)).long()
+    return torch.unique(ids, return_inverse=True)[1]
+
+
+def _sequence_mean(values: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
+    """Each token's mean of values [...] over its sequence (seq from _sequence_index), [...];
+    differentiable."""
+    flat = seq.reshape(-1)
+    sums = values.new_zeros(int(seq.max()) + 1 if seq.numel() else 0).index_add(0, flat, values.reshape(-1))
+    counts = torch.zeros_like(sums).index_add_(0, flat, torch.ones_like(values).reshape(-1))
+    return (sums / counts)[seq]  # every index in seq has count >= 1
 
 
 class ImportanceWeights(NamedTuple):
@@ -102,8 +141,7 @@ def importance_weights(target: torch.Tensor, cfg: OffPolicyConfig) -> Importance
     log_w = _selected(mask, target[..., _PROX] - target[..., _OLD]).clamp(-b, b)
     if cfg.is_level != "token":
         # Tokens of one sample share its id; sum (or average) their log-ratios per sample.
-        ids = torch.where(mask, target[..., _SAMPLE], torch.full_like(log_w, -1.0)).long()
-        _, seq = torch.unique(ids, return_inverse=True)  # [...] -> index of the token's sequence
+        seq = _sequence_index(mask, target[..., _SAMPLE])  # [...] -> index of the token's sequence
         sums = torch.zeros(int(seq.max()) + 1 if seq.numel() else 0, dtype=log_w.dtype, device=log_w.device)
         sums.index_add_(0, seq.reshape(-1), log_w.reshape(-1))
         if cfg.is_level == "geometric":
@@ -133,7 +171,8 @@ class TokenTerms(NamedTuple):
 def grpo_token_terms(logp: torch.Tensor, target: torch.Tensor, cfg: LossConfig,
                      is_weight: Optional[torch.Tensor] = None) -> TokenTerms:
     """Per-token terms of logp [...] against target [..., F]; is_weight [...] multiplies the
-    surrogate (None: 1, e.g. on-policy)."""
+    surrogate (None: 1, e.g. on-policy). With ``ratio_level="sequence"`` logp must hold every
+    completion token of each sequence it touches: a token's surrogate is its sequence's."""
     opc = cfg.off_policy
     mask = target[..., _MASK] > 0
     logp = _selected(mask, logp)
@@ -141,7 +180,12 @@ def grpo_token_terms(logp: torch.Tensor, target: torch.Tensor, cfg: LossConfig,
     old = _selected(mask, target[..., _OLD])
     anchor = _selected(mask, target[..., _PROX]) if opc.decoupled else old
     b = opc.log_ratio_clamp
-    ratio = torch.exp((logp - anchor).clamp(-b, b))
+    if cfg.ratio_level == "sequence":
+        # GSPO: every token takes its sequence's s_i, so the clip and the dual clip below bind per
+        # sequence and the surrogate is l_i on each token (its advantage is the sequence's A_i).
+        ratio = torch.exp(_sequence_mean(logp - anchor, _sequence_index(mask, target[..., _SAMPLE])).clamp(-b, b))
+    else:
+        ratio = torch.exp((logp - anchor).clamp(-b, b))
     clipped_ratio = ratio.clamp(1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
     unclipped_obj, clipped_obj = ratio * adv, clipped_ratio * adv
     surrogate = -torch.minimum(unclipped_obj, clipped_obj)
@@ -171,7 +215,8 @@ def grpo_token_terms(logp: torch.Tensor, target: torch.Tensor, cfg: LossConfig,
 @dataclass
 class LossStats:
     """Sums over the microbatches of one step, the last field a max; turned into metrics on the
-    last stage. clipped_sum counts the PPO clip (low + high), not the dual clip. The importance
+    last stage. clipped_sum counts the PPO clip (low + high), not the dual clip; a clip that binds
+    on a sequence ratio (GSPO) counts every token of the sequence. The importance
     weight fields count tokens (a sequence-level weight once per token of its sequence), raw
     weights before the cap; kl_behav is the k3 estimate of KL(behaviour || current)."""
 
@@ -254,43 +299,72 @@ def _chunk_logp(h: torch.Tensor, weight: torch.Tensor, next_ids: torch.Tensor, t
     return z, lse, z.gather(-1, next_ids[:, None]).squeeze(-1) - lse
 
 
+def _logp_of_chunks(h: torch.Tensor, weight: torch.Tensor, next_ids: torch.Tensor, temperature: float,
+                    chunk_tokens: int) -> torch.Tensor:
+    """logp [n] of the rows of h [n, H], one [chunk_tokens, V] block of logits at a time."""
+    logp = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+    for start in range(0, h.shape[0], chunk_tokens):
+        rows = slice(start, start + chunk_tokens)
+        logp[rows] = _chunk_logp(h[rows], weight, next_ids[rows], temperature)[2]
+    return logp
+
+
+def _logp_grad(logp: torch.Tensor, target: torch.Tensor, cfg: LossConfig,
+               is_weight: Optional[torch.Tensor]) -> torch.Tensor:
+    """g = d (sum_t W_t l_t) / d logp [m] (one chunk, or all n tokens), by autograd on a leaf copy."""
+    with torch.enable_grad():
+        lp = logp.detach().requires_grad_()
+        terms = grpo_token_terms(lp, target, cfg, is_weight)
+        (g,) = torch.autograd.grad((terms.loss * target[:, _W]).sum(), lp)
+    return g
+
+
 class _ChunkedGRPOLoss(torch.autograd.Function):
     """sum_t W_t l_t over completion tokens, chunk by chunk (module docstring).
     h: [n, H]; weight: [V, H]; target: [n, F]; is_weight: [n] or None
-    -> (loss scalar, [kl, behav_kl, clip_low, clip_high, dual_clip] sums)."""
+    -> (loss scalar, [kl, behav_kl, clip_low, clip_high, dual_clip] sums).
+
+    Token ratios: each chunk's loss and g come from that chunk's terms. Sequence ratios: the loss
+    and g come from the terms of the whole logp [n], kept from the forward."""
 
     @staticmethod
     def forward(ctx, h, weight, target, is_weight, cfg: LossConfig, chunk_tokens: int):
-        loss = torch.zeros((), dtype=torch.float32, device=h.device)
-        sums = torch.zeros(len(TokenTerms._fields) - 1, dtype=torch.float32, device=h.device)
-        for start in range(0, h.shape[0], chunk_tokens):
-            h_c, t_c = h[start:start + chunk_tokens], target[start:start + chunk_tokens]
-            w_c = None if is_weight is None else is_weight[start:start + chunk_tokens]
-            _, _, logp = _chunk_logp(h_c, weight, t_c[:, _NEXT].long(), cfg.temperature)
-            terms = grpo_token_terms(logp, t_c, cfg, w_c)
-            loss += (terms.loss * t_c[:, _W]).sum()
-            sums += _terms_sums(terms)
-        ctx.save_for_backward(h, weight, target, is_weight)
+        logp = None
+        if cfg.ratio_level == "sequence":
+            logp = _logp_of_chunks(h, weight, target[:, _NEXT].long(), cfg.temperature, chunk_tokens)
+            terms = grpo_token_terms(logp, target, cfg, is_weight)
+            loss, sums = (terms.loss * target[:, _W]).sum(), _terms_sums(terms)
+        else:
+            loss = torch.zeros((), dtype=torch.float32, device=h.device)
+            sums = torch.zeros(len(TokenTerms._fields) - 1, dtype=torch.float32, device=h.device)
+            for start in range(0, h.shape[0], chunk_tokens):
+                h_c, t_c = h[start:start + chunk_tokens], target[start:start + chunk_tokens]
+                w_c = None if is_weight is None else is_weight[start:start + chunk_tokens]
+                _, _, logp_c = _chunk_logp(h_c, weight, t_c[:, _NEXT].long(), cfg.temperature)
+                terms = grpo_token_terms(logp_c, t_c, cfg, w_c)
+                loss += (terms.loss * t_c[:, _W]).sum()
+                sums += _terms_sums(terms)
+        ctx.save_for_backward(h, weight, target, is_weight, logp)
         ctx.cfg, ctx.chunk_tokens = cfg, chunk_tokens
         ctx.mark_non_differentiable(sums)
         return loss, sums
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_sums):
-        h, weight, target, is_weight = ctx.saved_tensors
+        h, weight, target, is_weight, logp = ctx.saved_tensors
         cfg, c = ctx.cfg, ctx.chunk_tokens
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        g_all = None if logp is None else _logp_grad(logp, target, cfg, is_weight) * grad_loss  # [n]
         for start in range(0, h.shape[0], c):
             h_c, t_c = h[start:start + c], target[start:start + c]
-            w_c = None if is_weight is None else is_weight[start:start + c]
             next_ids = t_c[:, _NEXT].long()
-            z, lse, logp = _chunk_logp(h_c, weight, next_ids, cfg.temperature)
-            with torch.enable_grad():  # g_t = d loss / d logp_t: per-token terms, [c] only
-                lp = logp.detach().requires_grad_()
-                terms = grpo_token_terms(lp, t_c, cfg, w_c)
-                (g,) = torch.autograd.grad((terms.loss * t_c[:, _W]).sum(), lp)
-            g = g * grad_loss
+            z, lse, logp_c = _chunk_logp(h_c, weight, next_ids, cfg.temperature)
+            if g_all is None:  # g_t = d loss / d logp_t from the chunk's per-token terms, [c] only
+                w_c = None if is_weight is None else is_weight[start:start + c]
+                g = _logp_grad(logp_c, t_c, cfg, w_c) * grad_loss
+            else:
+                g = g_all[start:start + c]
             dz = z.sub_(lse[:, None]).exp_().mul_(-g[:, None])  # -g_t softmax(z), in z's buffer
             dz.scatter_add_(-1, next_ids[:, None], g[:, None])  # + g_t at the next token
             dz = dz.div_(cfg.temperature).to(h.dtype)  # d loss / d logits

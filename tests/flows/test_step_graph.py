@@ -24,6 +24,10 @@ ITERATIONS = 3
 SEPARATE = ["train.reference_pass=separate", "reward.in_rollout=false"]
 INSIDE = ["train.reference_pass=fused", "reward.in_rollout=true"]
 SCORED = ["train.reference_pass=separate", "reward.in_rollout=true"]  # the reference task after the scoring gate
+# kl_beta 0: a reference pass only for the kl metric, or none (train.reference=auto).
+# Partial credit per digit: after the 30-step warm-up groups have a spread, so these steps train.
+KL0_PASS = ["train.kl_beta=0", "train.reference=always", "reward.functions=[digit_match]", *INSIDE]
+KL0 = ["train.kl_beta=0", "reward.functions=[digit_match]", *INSIDE]
 
 
 def _config(runs_dir: Path, name: str, graph: list[str]):
@@ -44,7 +48,8 @@ def graphs(tmp_path_factory):
     try:
         shared = replace(separate.cluster, scheduler_address=cluster.scheduler_address)
         out = []
-        for name, graph in (("separate", SEPARATE), ("inside", INSIDE), ("scored", SCORED)):
+        for name, graph in (("separate", SEPARATE), ("inside", INSIDE), ("scored", SCORED), ("kl0-pass", KL0_PASS),
+                            ("kl0", KL0)):
             cfg = replace(_config(runs_dir, name, graph), cluster=shared)
             out.append((Path(run_folder(cfg).root), run(cfg, progress=False).metrics))
         yield out
@@ -54,16 +59,33 @@ def graphs(tmp_path_factory):
 
 
 def test_stages_inside_others_give_the_separate_stages_run(graphs):
-    (separate, _), (inside, _), (scored, _) = graphs
+    (separate, _), (inside, _), (scored, _) = graphs[:3]
     assert_same_runs(separate, inside, ITERATIONS, ITERATIONS + 1)
     assert_same_runs(separate, scored, ITERATIONS, ITERATIONS + 1)
+
+
+def test_kl_beta_0_skips_the_reference_and_trains_the_same_weights(graphs):
+    """At kl_beta 0 the reference's log-probs add 0 x KL to the loss: the step without the pass
+    (no reference stage, no reference copy on the ranks) trains the same weights bit for bit as
+    the step that computes it for the kl metric, and logs no kl."""
+    (with_pass, with_metrics), (without, without_metrics) = graphs[3:5]
+    assert_same_runs(with_pass, without, ITERATIONS, ITERATIONS + 1, skip_arrays=("ref_logp",))
+    store = RolloutStore(without / "rollouts.zarr")
+    for step in range(ITERATIONS):
+        assert "reference" not in store.attrs(step)["complete"]
+        assert not store.read(step, "ref_logp")["ref_logp"].any()  # never written
+        assert "reference" in RolloutStore(with_pass / "rollouts.zarr").attrs(step)["complete"]
+    for step, (ours, theirs) in enumerate(zip(without_metrics, with_metrics)):
+        assert "kl" not in ours and "reference_seconds" not in ours
+        assert theirs["kl"] > 0 if step else theirs["kl"] == 0, (step, theirs["kl"])  # v0 is the reference
+        assert ours["loss"] == theirs["loss"] and ours["grad_norm"] == theirs["grad_norm"] > 0
 
 
 def test_no_stage_is_marked_before_the_scores_it_follows(graphs):
     """The scoring gate runs beside the passes after it; every later mark still comes after its
     marks (rollout, reward, advantage), so a resumed step never keeps a pass over rows it then
     generates again."""
-    for run_dir, _ in graphs[1:]:
+    for run_dir, _ in graphs[1:4]:
         store = RolloutStore(run_dir / "rollouts.zarr")
         for step in range(ITERATIONS):
             marks = store.attrs(step)["complete"]
@@ -72,7 +94,7 @@ def test_no_stage_is_marked_before_the_scores_it_follows(graphs):
 
 
 def test_the_stages_inside_others_are_marked_and_measured(graphs):
-    (_, separate), (inside_dir, inside), _ = graphs
+    (_, separate), (inside_dir, inside), _ = graphs[:3]
     store = RolloutStore(inside_dir / "rollouts.zarr")
     for step in range(ITERATIONS):
         attrs = store.attrs(step)

@@ -87,11 +87,18 @@ def _read_jsonl(path: Path, cfg: DatasetConfig) -> list[RawRecord]:
     if not path.is_file():
         raise DatasetError(f"{path}: not found (dataset.path)")
     records = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:line {lineno}"
+            if lineno == 1:
+                raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark, as some editors write
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DatasetError(f"{where}: not UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); "
+                                   "write the file as UTF-8") from None
             if not line.strip():
                 continue
-            where = f"{path}:line {lineno}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:

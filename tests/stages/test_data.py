@@ -68,6 +68,20 @@ def test_bad_jsonl_fails_in_one_line_naming_file_line_and_field(tmp_path, lines,
     assert "\n" not in str(info.value)
 
 
+def test_jsonl_that_is_not_utf8_is_refused_naming_the_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"question": "a", "answer": 1}\n{"question": "caf\xe9", "answer": 2}\n')  # Latin-1
+    with pytest.raises(DatasetError, match=r"d.jsonl:line 2: not UTF-8 \(byte 0xe9 at column 18\)") as info:
+        source(path)
+    assert "\n" not in str(info.value)
+
+
+def test_a_byte_order_mark_is_read_past(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + write_jsonl(tmp_path / "plain.jsonl", rows(2)).read_bytes())
+    assert [r.prompt for r in source(path, prompts_per_step=2, shuffle=False).records(0)] == ["q0", "q1x"]
+
+
 def test_prompt_over_the_limit_is_refused_naming_the_line(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", rows(6))
     # "q3xxx" is 5 characters + BOS = 6 tokens, over 5.

@@ -37,8 +37,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value")
+        try:
+            layers.append(OmegaConf.from_dotlist([item]))
+        except Exception as exc:  # a value that is not valid YAML: yaml.YAMLError and friends
+            why = getattr(exc, "problem", None) or _first_line(exc)  # yaml's MarkedYAMLError says what it missed
+            raise ConfigError(f"override {item!r}: not valid YAML: {why}") from None
     try:
-        layers.append(OmegaConf.from_dotlist(list(overrides)))
         merged = OmegaConf.merge(*layers)
         cfg = OmegaConf.to_object(merged)
     except ConfigError:

@@ -177,9 +177,13 @@ class RunFolder:
         if not Path(self.run_state).exists():
             return None
         try:
-            return json.loads(Path(self.run_state).read_text())
+            state = json.loads(Path(self.run_state).read_text())
         except Exception as exc:
             raise RunFolderError(f"cannot read {self.run_state}: {exc}; delete it or start with --new") from exc
+        if not isinstance(state, dict):
+            raise RunFolderError(f"{self.run_state} holds a JSON {type(state).__name__}, not the run's state object; "
+                                 "delete it or start with --new")
+        return state
 
     def exists(self) -> bool:
         """Whether a run has stored anything here."""

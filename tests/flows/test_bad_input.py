@@ -178,6 +178,9 @@ CASES = [
     ("config-dataset-changed", ["dataset.num_digits=3"], None, r"dataset.num_digits differ"),
     ("run-json-corrupt", [], lambda run, hf: (run / "run.json").write_text("{"), r"cannot read .*run.json"),
     ("run-json-no-config", [], lambda run, hf: _edit_json(run / "run.json", config=None), r"run.json holds no config"),
+    ("run-json-list", [], lambda run, hf: (run / "run.json").write_text("[]"),
+     r"run.json holds a JSON list, not the run's state object"),
+    ("override-not-yaml", ["train.lr=[1"], None, r"override 'train.lr=\[1': not valid YAML: did not find expected"),
     ("run-json-missing", [], lambda run, hf: os.remove(run / "run.json"), r"holds steps but no run.json"),
     # -- the Zarr store ----------------------------------------------------------------------------
     ("zarr-attrs-corrupt", [], lambda run, hf: (run / "rollouts.zarr/step_0/zarr.json").write_text("{"),

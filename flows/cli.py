@@ -221,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     except RunFolderError as exc:
         print(f"grpoflow: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader left (grpoflow config | head): nothing more to say to it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
+        return 0
 
 
 if __name__ == "__main__":

@@ -77,6 +77,14 @@ def test_config_prints_documented_yaml_that_loads_back(tmp_path):
     assert load_config(out) == load_config("configs/tiny.yaml", ["iterations=7", "train.schedule=gpipe"])
 
 
+def test_config_into_a_reader_that_leaves_early_is_quiet():
+    """``grpoflow config | head`` closes the pipe after a few lines: no BrokenPipeError traceback."""
+    proc = subprocess.Popen(GRPOFLOW + ["config", "configs/tiny.yaml"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the listing is written (the imports take a second)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and err.decode() == ""
+
+
 def test_config_keys_lists_every_override_key():
     proc = subprocess.run(GRPOFLOW + ["config", "configs/tiny.yaml", "--keys"], capture_output=True, text=True,
                           timeout=120)

@@ -167,6 +167,17 @@ class TextCodec:
             return ([] if self.bos_id is None else [self.bos_id]) + self.encode(text)
         return self.tokenizer.encode(text, add_special_tokens=True).ids
 
+    def decode_prompt(self, ids: list[int]) -> str:
+        """The user text of prompt ids :meth:`encode_prompt` made: the chat template's text around it
+        (a system prompt, role markers) cut off when the ids render it; else :meth:`decode`."""
+        if self.chat_template is not None:
+            marker = "\x00"
+            head, _, tail = self.render_prompt(marker).partition(marker)
+            text = self.tokenizer.decode(list(ids), skip_special_tokens=False)
+            if text.startswith(head) and text.endswith(tail) and len(text) >= len(head) + len(tail):
+                return text[len(head):len(text) - len(tail)]
+        return self.decode(ids)
+
     def decode(self, ids: list[int]) -> str:
         specials = {self.pad_id, self.bos_id, *self.eos_ids}
         return self.tokenizer.decode([i for i in ids if i not in specials], skip_special_tokens=True)

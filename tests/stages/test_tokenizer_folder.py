@@ -103,6 +103,20 @@ def test_ids_and_template_equal_transformers(folder_name, request):
         assert plain.decode(ids + [plain.eos_id]) == hf.decode(ids, skip_special_tokens=True)
 
 
+@pytest.mark.parametrize("folder_name", ["llama_folder", "qwen_folder"])
+def test_decode_prompt_gives_back_the_user_text(folder_name, request):
+    """The sample tables show a prompt as it was asked, not wrapped in the chat template (a system
+    prompt and role markers first); a prompt without a template decodes as before."""
+    folder = request.getfixturevalue(folder_name)
+    chat, plain = TextCodec.from_folder(folder), TextCodec.from_folder(folder, use_chat_template=False)
+    for text in _SENTENCES + ["What is 23 + 58? Answer with only the number."]:
+        ids = chat.encode_prompt(text)
+        assert chat.decode(ids) != text.strip() and chat.decode_prompt(ids) == text
+        assert plain.decode_prompt(plain.encode_prompt(text)) == plain.decode(plain.encode_prompt(text))
+    other = chat.encode("no template here")  # ids the template did not make: decoded whole
+    assert chat.decode_prompt(other) == chat.decode(other)
+
+
 def test_llama_specials_come_from_the_config_files(llama_folder):
     codec = TextCodec.from_folder(llama_folder)
     tok = Tokenizer.from_file(str(llama_folder / "tokenizer.json"))

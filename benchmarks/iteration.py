@@ -19,7 +19,8 @@ and after them the window part by part, read from each run's folder (benchmarks/
 Scenarios:
 
 - tiny: configs/tiny.yaml as shipped (64 prompts x G 8, 6 new tokens, PP 2).
-- bench: hidden 512, 8 layers, 16 prompts x G 8, up to 64 new tokens, PP 2, length buckets, packed,
+- bench: hidden 512, 8 layers, 16 prompts x G 8, up to 64 new tokens, PP 2, length buckets
+  [16, 32, 71], packed (train.length_buckets=auto and train.packing=auto pick them at S = 71),
   two rollout engines of one thread each (faster than one engine on two threads here:
   docs/performance.md). Policy v0 is the untrained model (warmup.steps=0): EOS has probability
   ~1/vocab per token, so completion lengths spread geometrically, mean ~16 of 64.
@@ -73,8 +74,7 @@ SCENARIOS: dict[str, list[str]] = {
     "tiny": [],
     "bench": ["model.hidden_size=512", "model.intermediate_size=1376", "model.num_hidden_layers=8",
               "model.num_attention_heads=8", "model.num_key_value_heads=4", "task.prompts_per_step=16",
-              "rollout.max_new_tokens=64", "warmup.steps=0", "train.micro_batch_size=8",
-              "train.length_buckets=[16,32,71]", "train.packing=true", "rollout.num_engines=2"],
+              "rollout.max_new_tokens=64", "warmup.steps=0", "train.micro_batch_size=8", "rollout.num_engines=2"],
 }
 
 

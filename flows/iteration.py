@@ -527,6 +527,14 @@ def _collect(step: int, values: dict[str, list], stage_seconds: dict[str, float]
         m["kv_cache_bytes"] = sum(r["kv_cache_bytes"] for r in roll)
         m["weight_load_seconds"] = max(r["weight_load_seconds"] for r in roll)
         m["rollout_compute_seconds"] = max(r["rollout_seconds"] for r in roll)  # generate() alone
+        for key in ("speculative_acceptance", "speculative_tokens_per_forward"):  # rollout.draft_*: engines' mean
+            if all(key in r for r in roll):
+                m[key] = sum(r[key] for r in roll) / len(roll)
+        if all("groups_generated" in r for r in roll):  # rollout.dynamic_sampling, summed over the engines
+            for key in ("groups_generated", "groups_dropped", "groups_unfilled"):
+                m[key] = sum(r[key] for r in roll)
+            m["sampling_rounds"] = max(r["sampling_rounds"] for r in roll)
+            m["generated_length_mean"] = m["rollout_tokens"] / max(sum(r["generated_samples"] for r in roll), 1)
     if values.get("reference"):
         m["reference_compute_seconds"] = max(r["reference_seconds"] for r in values["reference"])
     first_error = ""
@@ -551,7 +559,7 @@ def _collect(step: int, values: dict[str, list], stage_seconds: dict[str, float]
         m["bubble_fraction"] = sum(r["metrics"]["bubble_fraction"] for r in trains) / len(trains)
         m["train_step_seconds"] = max(r["metrics"]["step_seconds"] for r in trains)
         # Pipeline passes of the step and token slots processed per real token (length buckets).
-        m.update({k: trains[0]["metrics"][k] for k in ("train_passes", "train_token_slots_per_real_token")
+        m.update({k: trains[0]["metrics"][k] for k in ("lr", "train_passes", "train_token_slots_per_real_token")
                   if k in trains[0]["metrics"]})
         m["publish_bytes"] = sum(r["shard_bytes"] for r in trains)
         m["publish_write_seconds"] = max(r["shard_seconds"] for r in trains)

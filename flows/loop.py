@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections import deque
 from concurrent.futures import Future
@@ -46,8 +47,11 @@ from flows.iteration import (STAGES, IterationError, IterationResult, PendingIte
                              WorkerLostError, finish_iteration, prepare_step, submit_iteration)
 from flows.preflight import preflight
 from flows.schema import GRPOConfig, config_hash, config_to_dict
+from stages.advantage import trained_samples
+from stages.perf import STEP_PHASES, step_mfu_metrics, step_model_flops
 from stages.policy.tokenizer import TextCodec
 from stages.train.rendezvous import free_port
+from storage.host_rates import HOST_RATES_FILE, matmul_rate
 from storage.lineage import Lineage, StepRun
 from storage.plots import save_eval_plot, save_run_plots
 from storage.policies import PolicyRef
@@ -218,6 +222,7 @@ def _run(cfg: GRPOConfig, progress: bool) -> RunSummary:
         log.info("run %s: all %d iterations are published in %s; nothing to do", cfg.run_name, cfg.iterations,
                  folder.root)
         return _finished_summary(cfg, folder, uri)
+    machine_rate = _machine_rate(cfg, folder) if cfg.train.device == "cpu" else None
     client, cluster = start_cluster(cfg)
     lineage = None
     try:
@@ -238,7 +243,8 @@ def _run(cfg: GRPOConfig, progress: bool) -> RunSummary:
         evals = EvalScheduler(client, cfg, folder, pools)
         evals.catch_up(policy.version)
         results = _loop(client, cfg, pools, folder, policy, first_step, lineage, progress,
-                        host_cpu=_HostCPU() if cluster is not None else None, on_published=evals.published)
+                        host_cpu=_HostCPU() if cluster is not None else None, on_published=evals.published,
+                        machine_rate=machine_rate)
         evals.gather(cfg.cluster.iteration_timeout_s)
         # Every stored evaluation of this eval config, an earlier process's too, once on the parent.
         evaluated = load_eval_results(cfg, folder)
@@ -289,11 +295,33 @@ class _HostCPU:
         return spent
 
 
+def _machine_rate(cfg: GRPOConfig, folder: RunFolder) -> float:
+    """FLOP/s of this host's matmul in the training dtype with every core (measured once per host,
+    dtype and torch version, cached in runs_dir/_cache, which keeps the highest rate seen: every
+    start measures again for a fraction of a second): what a step's MFU is taken against. Taken
+    before the workers start."""
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return matmul_rate(Path(folder.cache_root) / HOST_RATES_FILE, cfg.train.dtype, "cpu", threads, refresh_seconds=0.3)
+
+
+def _model_flops_metrics(cfg: GRPOConfig, shape, store, result: IterationResult, rate: float) -> dict[str, float]:
+    """The step's model FLOPs per phase (from its stored prompt and completion lengths) and its MFU
+    against ``rate`` (stages/perf)."""
+    a = store.read(result.step, "prompt_len", "length", "reward_failed")
+    G = cfg.rollout.group_size
+    flops = step_model_flops(shape, a["prompt_len"], a["length"], group_size=G,
+                             reference="reference" in result.stage_seconds,
+                             trained=trained_samples(~a["reward_failed"], G))
+    return step_mfu_metrics(flops, result.stage_seconds, result.metrics.get("iteration_seconds", 0.0), rate)
+
+
 def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: PolicyRef, first_step: int,
           lineage: Lineage, progress: bool, host_cpu: _HostCPU | None = None,
-          on_published: Callable[[PolicyRef], None] = lambda policy: None) -> list[IterationResult]:
+          on_published: Callable[[PolicyRef], None] = lambda policy: None,
+          machine_rate: float | None = None) -> list[IterationResult]:
     results: list[IterationResult] = []
     store = folder.rollout_store()
+    shape = cfg.model_shape if machine_rate else None  # for the model FLOPs of each step
     s = cfg.rollout.max_staleness
     published = {policy.version: policy}  # versions the rule may still ask for
     in_flight: deque[PendingIteration] = deque()
@@ -355,8 +383,9 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
         trace_path = folder.save_trace(step, result.trace_events)
         child: StepRun = handle.result()
         with child:  # decoded samples, timeline, dataset with schema, metrics and policy; ends the child run
-            table = load_sample_table(folder.rollouts, step, codec(result.policy.path).decode,
-                                      max(cfg.mlflow.sample_groups, 1))
+            policy_codec = codec(result.policy.path)
+            table = load_sample_table(folder.rollouts, step, policy_codec.decode, max(cfg.mlflow.sample_groups, 1),
+                                      policy_codec.decode_prompt)
             tags = child.log_samples(table, set_tag=False) if cfg.mlflow.sample_groups else {}
             child.log_artifact(trace_path, "timelines")
             child.log_rollouts(store.ref(step).path, store.digest(step), store.array_specs(step))
@@ -431,6 +460,8 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
         # Staleness of the consumed rows: trainer version minus each row's behaviour version.
         lag = trainer_version(step) - store.read(step, "policy_version")["policy_version"].astype(np.int64)
         result.metrics["staleness_mean"], result.metrics["staleness_max"] = float(lag.mean()), float(lag.max())
+        if machine_rate:
+            result.metrics.update(_model_flops_metrics(cfg, shape, store, result, machine_rate))
         published[result.policy.version] = result.policy
         on_published(result.policy)
         results.append(result)
@@ -572,16 +603,25 @@ def format_summary(summary: RunSummary) -> str:
     """A plain-text table of the run: reward per iteration and seconds per stage."""
     lines = [f"run {summary.run_name}: {summary.iterations} iterations in {summary.wall_seconds:.1f} s "
              f"(mlflow run {summary.mlflow_run_id})"]
-    header = f"{'step':>4} {'reward':>7} {'loss':>8} {'kl':>7} {'clip':>6} {'bubble':>6} " + \
+    header = f"{'step':>4} {'reward':>7} {'loss':>8} {'kl':>7} {'clip':>6} {'bubble':>6} {'mfu':>5} " + \
         " ".join(f"{s[:7]:>7}" for s in STAGES)
     lines.append(header)
     for m in summary.metrics:
         lines.append(f"{m['step']:>4} {m.get('reward_mean', float('nan')):>7.3f} {m.get('loss', 0):>8.4f} "
                      f"{m['kl'] if 'kl' in m else float('nan'):>7.4f} {m.get('clip_fraction', 0):>6.3f} {m.get('bubble_fraction', 0):>6.3f} "
+                     f"{m.get('mfu', float('nan')):>5.2f} "
                      + " ".join(f"{m[f'{s}_seconds']:>7.2f}" if f"{s}_seconds" in m else f"{'-':>7}"
                                 for s in STAGES))
     totals = " ".join(f"{sum(summary.stage_seconds.get(s, [0.0])):>7.2f}" for s in STAGES)
-    lines.append(f"{'all':>4} {'':>7} {'':>8} {'':>7} {'':>6} {'':>6} {totals}")
+    lines.append(f"{'all':>4} {'':>7} {'':>8} {'':>7} {'':>6} {'':>6} {'':>5} {totals}")
+    measured = [m for m in summary.metrics if "mfu" in m]
+    if measured:
+        flops = sum(m[f"model_flops_{p}"] for m in measured for p in STEP_PHASES)
+        seconds = sum(m["iteration_seconds"] for m in measured)
+        rate = measured[-1]["matmul_flops_per_s"]
+        lines.append(f"model FLOPs: {flops / 1e9:.1f} GFLOP in {seconds:.1f} s of steps, "
+                     f"{flops / seconds / 1e9:.1f} GFLOP/s = {flops / seconds / rate:.0%} of this host's "
+                     f"measured matmul rate ({rate / 1e9:.1f} GFLOP/s on every core)")
     if summary.reward_mean:
         first, last, w = summary.reward_gain()
         lines.append(f"reward: mean of the first {w} iterations {first:.3f}, of the last {w} {last:.3f} "

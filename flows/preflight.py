@@ -23,7 +23,7 @@ import numpy as np
 from storage.model_folder import ModelFolderError, load_hf_config
 from flows.schema import ConfigError, GRPOConfig, config_to_dict
 
-__all__ = ["SAFE_TO_CHANGE", "PreflightError", "config_differences", "check_model_folder",
+__all__ = ["SAFE_TO_CHANGE", "PreflightError", "config_differences", "check_model_folder", "check_draft_folder",
            "check_devices", "check_eval_data", "check_run_folder", "check_task_prompts", "preflight"]
 
 SAFE_TO_CHANGE = ("iterations", "runs_dir", "cluster.", "mlflow.", "plan.", "eval.", "train.keep_optimizer_state")
@@ -118,6 +118,13 @@ def _check_config(cfg: GRPOConfig, state: dict[str, Any], folder) -> None:
     if not isinstance(stored, dict):
         raise PreflightError(f"{folder.run_state} holds no config; delete it or start with --new")
     diff = config_differences(stored, config_to_dict(cfg))
+    t, before = cfg.train, stored.get("iterations")
+    if before != cfg.iterations and t.lr_schedule != "constant" and t.lr_decay_steps is None and \
+            isinstance(before, int):
+        raise PreflightError(f"iterations={cfg.iterations} differs from the run's {before}, and train.lr_schedule="
+                             f"{t.lr_schedule} with train.lr_decay_steps unset decays over iterations, so the "
+                             "remaining steps' rates would change; run with --new (set train.lr_decay_steps in a "
+                             "run whose length may change)")
     if diff:
         shown = ", ".join(diff[:8]) + (f" (+{len(diff) - 8} more)" if len(diff) > 8 else "")
         raise PreflightError(f"run folder {folder.root} was started with a different config: {shown} differ; "
@@ -205,6 +212,10 @@ def check_task_prompts(cfg: GRPOConfig) -> None:
         source = open_prompt_source(cfg.dataset, codec, cfg.task.prompts_per_step)
     except DatasetError as exc:
         raise PreflightError(str(exc).strip().splitlines()[0]) from None
+    if source.num_steps is not None and cfg.iterations > source.num_steps:
+        raise PreflightError(f"iterations={cfg.iterations} is past the {source.num_steps} steps {cfg.dataset.path} "
+                             f"gives at dataset.epochs={cfg.dataset.epochs} and task.prompts_per_step="
+                             f"{cfg.task.prompts_per_step}: raise dataset.epochs or lower iterations")
     if source.prompt_width > cfg.prompt_width:
         raise PreflightError(
             f"prompts take up to {source.prompt_width} tokens under model.path's tokenizer, the step layout's "
@@ -235,8 +246,24 @@ def preflight(cfg: GRPOConfig, folder) -> dict[str, Any] | None:
     if cfg.model.path:
         check_model_folder(cfg.model.path)
         check_task_prompts(cfg)
+    if cfg.rollout.draft_path:
+        check_draft_folder(cfg)
     check_eval_data(cfg)
     return check_run_folder(cfg, folder)
+
+
+def check_draft_folder(cfg: GRPOConfig) -> None:
+    """rollout.draft_path: an HF folder the engines can load, with the policy's vocabulary (the
+    draft's tokens are the policy's)."""
+    try:
+        check_model_folder(cfg.rollout.draft_path)
+    except PreflightError as exc:
+        raise PreflightError(f"rollout.draft_path: {exc}") from None
+    draft = load_hf_config(cfg.rollout.draft_path).get("vocab_size")
+    policy = cfg.model_shape.vocab_size if cfg.model.path else None
+    if policy is not None and draft != policy:
+        raise PreflightError(f"rollout.draft_path={cfg.rollout.draft_path}: vocab_size {draft} differs from the "
+                             f"policy's {policy}; a draft proposes the policy's tokens")
 
 
 def check_eval_data(cfg: GRPOConfig) -> None:

@@ -19,7 +19,9 @@ from stages.config import (AdvantageConfig, ConfigError, ModelConfig, RewardConf
                            TrainConfig, WarmupConfig)
 from stages.data import DatasetConfig, DatasetError
 from stages.eval import EvalConfig
-from stages.layout import ModelShape, parallel_layout_error, shape_from_hf
+from stages.layout import ModelShape, balanced_layer_split, layer_split_error, parallel_layout_error, shape_from_hf
+from stages.tasks.addition import vocab_size as addition_vocab_size
+from stages.train.auto import auto_length_buckets, auto_logprob_chunk_tokens, auto_packing
 from stages.train.buckets import BucketedLayout, bucketed_layout, microbatches_per_pass
 from stages.train.plan import MicrobatchLayout, microbatch_layout
 from storage.model_folder import load_hf_config
@@ -206,6 +208,11 @@ class GRPOConfig:
         # are runs_dir's shared folders (storage/run_folder.py, grpoflow eval).
         _require(not self.run_name.startswith(".") and self.run_name not in ("_cache", "_eval"),
                  f"run_name={self.run_name!r} may not start with '.' nor be _cache or _eval (folders of runs_dir)")
+        _require(self.reward.overlong_buffer < self.rollout.max_new_tokens,
+                 f"reward.overlong_buffer={self.reward.overlong_buffer} must be below rollout.max_new_tokens="
+                 f"{self.rollout.max_new_tokens} (the ramp ends at max_new_tokens)")
+        _require(self.reward.in_rollout or not self.rollout.dynamic_sampling,
+                 "rollout.dynamic_sampling replaces groups the engines score themselves: set reward.in_rollout=true")
         self._check_dataset()
         self._check_parallel_layout()
         self._check_placement()
@@ -230,9 +237,10 @@ class GRPOConfig:
 
     @property
     def model_shape(self) -> ModelShape:
-        """The policy's shape: model.path's config.json when set, else the built-in model section."""
+        """The policy's shape: model.path's config.json when set, else the built-in model section
+        (its vocabulary: model.vocab_size, else the addition tokenizer's)."""
         if self.model.path is None:
-            return self.model.shape()
+            return self.model.shape(addition_vocab_size())
         hf = load_hf_config(self.model.path)  # ModelFolderError: one line naming the folder or file
         try:
             return shape_from_hf(hf)
@@ -247,6 +255,27 @@ class GRPOConfig:
         if t.reference_parallel != "auto" or t.tensor_model_parallel_size > 1:
             return resolve_reference_parallel(t, None)
         return resolve_reference_parallel(t, self.model_shape)
+
+    @property
+    def layer_split(self) -> tuple[int, ...]:
+        """train.layer_split resolved: the listed layers per stage, or for auto the split balancing
+        the stages' forward + backward FLOPs, the head (lm_head over the vocabulary) on the last stage,
+        at the sequence length prompt width + rollout.max_new_tokens, the head over half the completion
+        slots with chunked log-probs (:attr:`logprob_chunk_tokens`): the planner's rule
+        (planner/training.py ``estimate_head_layers``, stages/layout ``balanced_layer_split``)."""
+        t = self.train
+        if t.layer_split != "auto":
+            return tuple(t.layer_split)
+        # Imported here: planner.loader imports this module.
+        from planner.model import ModelShape as PlannerShape
+        from planner.training import estimate_head_layers
+
+        shape, new = self.model_shape, self.rollout.max_new_tokens
+        head = estimate_head_layers(PlannerShape(**{f.name: getattr(shape, f.name) for f in dataclasses.fields(shape)}),
+                                    self.prompt_width + new,
+                                    chunked_new_tokens=None if self.logprob_chunk_tokens is None else new)
+        return balanced_layer_split(shape.num_hidden_layers,
+                                    t.pipeline_model_parallel_size * t.virtual_pipeline_model_parallel_size, head)
 
     @property
     def prompt_width(self) -> int:
@@ -274,6 +303,10 @@ class GRPOConfig:
                                       virtual=t.virtual_pipeline_model_parallel_size, schedule=t.schedule,
                                       num_microbatches=self.num_microbatches)
         _require(error is None, error or "")
+        if t.layer_split != "auto":
+            error = layer_split_error(t.layer_split, self.model_shape.num_hidden_layers,
+                                      t.pipeline_model_parallel_size * t.virtual_pipeline_model_parallel_size)
+            _require(error is None, error or "")
         _require(t.reference_parallel != "data" or tp == 1,
                  f"train.reference_parallel=data holds the whole reference on every rank; with "
                  f"train.tensor_model_parallel_size={tp} set train.reference_parallel=pipeline")
@@ -283,23 +316,51 @@ class GRPOConfig:
         return self.task.prompts_per_step * self.rollout.group_size
 
     @property
+    def length_buckets(self) -> Optional[tuple[int, ...]]:
+        """train.length_buckets resolved: auto is stages/train/auto.py ``auto_length_buckets`` of the
+        prompt width and rollout.max_new_tokens (None with train.pack_row_tokens set); None: every
+        step is one pass shaped for the worst case."""
+        t = self.train
+        if t.length_buckets != "auto":
+            return None if t.length_buckets is None else tuple(t.length_buckets)
+        if t.pack_row_tokens is not None:
+            return None
+        return auto_length_buckets(self.prompt_width, self.rollout.max_new_tokens)
+
+    @property
+    def packing(self) -> bool:
+        """train.packing resolved: auto is on with length buckets (:attr:`length_buckets`) or with
+        train.pack_row_tokens, else off."""
+        t = self.train
+        return auto_packing(self.length_buckets, t.pack_row_tokens) if t.packing == "auto" else bool(t.packing)
+
+    @property
+    def logprob_chunk_tokens(self) -> Optional[int]:
+        """train.logprob_chunk_tokens resolved: auto is 256 at a vocabulary (:attr:`model_shape`) of
+        >= 8,192 tokens, else None (full logits)."""
+        chunk = self.train.logprob_chunk_tokens
+        return auto_logprob_chunk_tokens(self.model_shape.vocab_size) if chunk == "auto" else chunk
+
+    @property
     def microbatch_layout(self) -> MicrobatchLayout | BucketedLayout:
         """The fixed shape and count of every step's microbatches (stages/train/plan.py):
         budget B = train.max_tokens_per_microbatch or micro_batch_size x S, S = prompt width +
-        max_new_tokens; M = the worst case's count, a multiple of data_parallel_size. With
-        train.length_buckets: the buckets' shapes, M = the smallest pass (stages/train/buckets.py)."""
+        max_new_tokens; M = the worst case's count, a multiple of data_parallel_size. With length
+        buckets (:attr:`length_buckets`): the buckets' shapes, M = the smallest pass
+        (stages/train/buckets.py). Packed or padded as :attr:`packing` says."""
         t = self.train
         width, new = self.prompt_width, self.rollout.max_new_tokens
         budget = t.max_tokens_per_microbatch or t.micro_batch_size * (width + new)
-        if t.length_buckets is not None:
+        buckets, packing = self.length_buckets, self.packing
+        if buckets is not None:
             m = microbatches_per_pass(t.schedule, t.pipeline_model_parallel_size,
                                       t.virtual_pipeline_model_parallel_size)
             return bucketed_layout(self.task.prompts_per_step, self.rollout.group_size, width, new, budget,
-                                   t.length_buckets, t.packing, m, t.data_parallel_size,
+                                   buckets, packing, m, t.data_parallel_size,
                                    t.max_microbatches_per_pass,
                                    (t.schedule, t.pipeline_model_parallel_size, t.virtual_pipeline_model_parallel_size))
         return microbatch_layout(self.task.prompts_per_step, self.rollout.group_size, width, new, budget,
-                                 t.packing, t.pack_row_tokens, t.data_parallel_size)
+                                 packing, t.pack_row_tokens, t.data_parallel_size)
 
     @property
     def num_global_microbatches(self) -> int:

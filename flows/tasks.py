@@ -23,11 +23,14 @@ from stages.advantage import normalize_advantages
 from stages.data import PromptRecord, PromptSource, dataset_stamp, open_prompt_source
 from stages.policy import DecoderConfig, build_stage, load_hf_state
 from stages.policy.tokenizer import TextCodec, codec_files_digest, codec_files_stamp
-from stages.rollout.engine import engine_placement
+from stages.rollout.engine import FINISH_LENGTH, engine_placement
+from stages.rollout.dynamic import fill_informative_groups
 from stages.rollout.rows import generate_rows
+from stages.rollout.speculative import draft_from_target
 from stages.steps import reward_statistics, score_rows, tiny_base_policy, tiny_max_positions, train_setup
 from stages.train.batch import build_global_batch
 from stages.train.engine import InjectedFault, TrainRank, rank_tensor_names
+from stages.train.schedule import lr_at
 from stages.train.timeline import chrome_events
 from storage.policies import PolicyRef, PolicyStore, load_model_folder
 from storage.rollouts import RolloutStore, StepLayout, StepRef
@@ -42,6 +45,8 @@ __all__ = [
 # Worker-process registries (see the module docstring).
 _TRAIN_RANKS: dict[str, TrainRank] = {}
 _ROLLOUT_MODELS: dict[str, tuple[str, torch.nn.Module, TextCodec]] = {}
+# engine key -> (the policy's sha256, or the draft folder, it was made for; the speculative draft)
+_ROLLOUT_DRAFTS: dict[str, tuple[str, torch.nn.Module]] = {}
 _ROLLOUT_VERSIONS: dict[str, int] = {}  # engine -> the policy version its model holds (the version tag)
 _CODECS: dict[tuple[str, bool], TextCodec] = {}  # (the codec files' digest, chat template) -> codec
 _SOURCES: dict[str, PromptSource] = {}
@@ -134,16 +139,17 @@ def data_stamp(cfg: GRPOConfig) -> str:
 
 
 def _records(cfg: GRPOConfig, policy_path: str, step: int, first: int, stop: int,
-             stamp: str | None = None) -> list[PromptRecord]:
-    """Prompts [first, stop) of the step. The source tokenises its data once per worker, tokenizer
-    (the same in every version of a run) and state of the data's files (one edited between two runs
-    on a live cluster is read again): ``stamp``, the step's :func:`data_stamp`, or taken here when
-    the step has none (a step stored before steps recorded it)."""
+             stamp: str | None = None, round: int = 0) -> list[PromptRecord]:
+    """Prompts [first, stop) of the step (of its extra round ``round``: rollout.dynamic_sampling).
+    The source tokenises its data once per worker, tokenizer (the same in every version of a run)
+    and state of the data's files (one edited between two runs on a live cluster is read again):
+    ``stamp``, the step's :func:`data_stamp`, or taken here when the step has none (a step stored
+    before steps recorded it)."""
     key = config_hash({"tokenizer": _tokenizer_digest(policy_path), "dataset": cfg.dataset,
                        "files": stamp or data_stamp(cfg), "prompts_per_step": cfg.task.prompts_per_step})
     if key not in _SOURCES:
         _SOURCES[key] = open_prompt_source(cfg.dataset, _codec(cfg, policy_path), cfg.task.prompts_per_step)
-    return _SOURCES[key].records(step)[first:stop]
+    return _SOURCES[key].records(step, round)[first:stop]
 
 
 def make_base_policy(cfg: GRPOConfig, folder: RunFolder) -> PolicyRef:
@@ -191,8 +197,8 @@ def init_train_rank(cfg: GRPOConfig, rank: int, init_method: str, policy: Policy
     hf_config, _, _ = load_model_folder(policy.path, names=set())
     model_cfg = DecoderConfig.from_hf(hf_config)
     setup = train_setup(cfg.train, model_cfg, cfg.num_microbatches, cfg.rollout.temperature, _faults_from_env(),
-                        cfg.rollout.max_staleness, cfg.reference_parallel)
-    names = rank_tensor_names(model_cfg, setup.layout, setup.layout.coord(rank).pp)
+                        cfg.rollout.max_staleness, cfg.reference_parallel, cfg.logprob_chunk_tokens, cfg.layer_split)
+    names = rank_tensor_names(model_cfg, setup.layout, setup.layout.coord(rank).pp, setup.layer_split)
     _, _, tensors = load_model_folder(policy.path, names=names)
     ref_tensors = None
     if not setup.reference:
@@ -269,6 +275,30 @@ def _rollout_model(cfg: GRPOConfig, engine_key: str, policy: PolicyRef) -> tuple
                           "weights_content_hash": received.tag.content_hash}
 
 
+def _rollout_draft(cfg: GRPOConfig, engine_key: str, model: torch.nn.Module,
+                   policy: PolicyRef) -> torch.nn.Module | None:
+    """The engine's speculative draft (rollout.draft_layers: the policy's first layers, rebuilt for
+    each version the engine holds; rollout.draft_path: another model, loaded once), or None."""
+    r = cfg.rollout
+    if not (r.draft_layers or r.draft_path):
+        return None
+    key = policy.sha256 if r.draft_layers else r.draft_path
+    held = _ROLLOUT_DRAFTS.get(engine_key)
+    if held is not None and held[0] == key:
+        return held[1]
+    _ROLLOUT_DRAFTS.pop(engine_key, None)
+    if r.draft_layers:
+        draft = draft_from_target(model, r.draft_layers)
+    else:
+        hf_config, _, tensors = load_model_folder(r.draft_path)
+        p = next(model.parameters())
+        draft = build_stage(DecoderConfig.from_hf(hf_config)).to(device=p.device, dtype=p.dtype)
+        load_hf_state(draft, tensors)
+        draft.eval()
+    _ROLLOUT_DRAFTS[engine_key] = (key, draft)
+    return draft
+
+
 def _this_engine(default: str) -> str:
     """The engine a rollout task runs on: its Dask worker's name, whichever engine the range was
     handed to (any engine may take any range, and a process holds one model and one receiving end
@@ -300,19 +330,47 @@ def rollout_task(cfg: GRPOConfig, ref: StepRef, policy: PolicyRef, prompt_start:
     attrs = store.attrs(ref.step)
     _check_engine_version(engine_key, attrs["policy_version"])
     layout = StepLayout.from_attrs(attrs)
-    records = _records(cfg, policy.path, ref.step, prompt_start, prompt_stop, attrs.get("data_stamp"))
-    rows = generate_rows(model, codec, [r.prompt_ids for r in records], cfg.rollout, seed=cfg.seed, step=ref.step,
-                         prompt_start=prompt_start, prompts_per_step=cfg.task.prompts_per_step,
-                         prompt_width=layout.prompt_width, policy_version=policy.version)
-    arrays, scoring = rows.arrays, {}
+    draft = _rollout_draft(cfg, engine_key, model, policy)
+
+    def generate(round: int, num_prompts: int):
+        records = _records(cfg, policy.path, ref.step, prompt_start, prompt_start + num_prompts,
+                           attrs.get("data_stamp"), round)
+        return records, generate_rows(
+            model, codec, [r.prompt_ids for r in records], cfg.rollout, seed=cfg.seed, step=ref.step,
+            prompt_start=prompt_start, prompts_per_step=cfg.task.prompts_per_step, prompt_width=layout.prompt_width,
+            policy_version=policy.version, round=round, draft=draft)
+
+    records, rows = generate(0, prompt_stop - prompt_start)
+    arrays, metrics, scoring = rows.arrays, dict(rows.metrics), {}
     if score:
-        t0 = time.perf_counter()
-        scores, first_error = _score(cfg, policy.path, rows.arrays, records)
-        arrays = {**arrays, **scores}
-        scoring = {"reward_seconds": time.perf_counter() - t0, "reward_failed": float(scores["reward_failed"].sum()),
-                   "reward_first_error": first_error}
+        reward_s, first_errors = 0.0, []
+
+        def scored(records, rows) -> dict[str, np.ndarray]:
+            nonlocal reward_s
+            t0 = time.perf_counter()
+            scores, first_error = _score(cfg, policy.path, rows.arrays, records)
+            reward_s += time.perf_counter() - t0
+            first_errors.append(first_error)
+            return {**rows.arrays, **scores}
+
+        arrays = scored(records, rows)
+        if cfg.rollout.dynamic_sampling:
+            def extra_round(round: int, num_prompts: int) -> dict[str, np.ndarray]:
+                more_records, more = generate(round, num_prompts)
+                for key in ("rollout_tokens", "rollout_seconds"):
+                    metrics[key] += more.metrics[key]
+                metrics["kv_cache_bytes"] = max(metrics["kv_cache_bytes"], more.metrics["kv_cache_bytes"])
+                return scored(more_records, more)
+
+            filled = fill_informative_groups(arrays, extra_round, cfg.rollout.group_size,
+                                             cfg.rollout.dynamic_sampling_rounds)
+            arrays = filled.arrays
+            metrics.update(filled.metrics, generated_samples=filled.metrics["groups_generated"] * cfg.rollout.group_size)
+            metrics["rollout_tokens_per_s"] = metrics["rollout_tokens"] / max(metrics["rollout_seconds"], 1e-9)
+        scoring = {"reward_seconds": reward_s, "reward_failed": float(arrays["reward_failed"].sum()),
+                   "reward_first_error": next((e for e in first_errors if e), "")}
     store.write_rows(ref.step, arrays, start=rows.row_start)
-    return {**rows.metrics, **load, **scoring, "task_start": t_start, "task_end": time.time()}
+    return {**metrics, **load, **scoring, "task_start": t_start, "task_end": time.time()}
 
 
 def mark_stage_complete(ref: StepRef, stage: str | tuple[str, ...], *deps, attrs: dict | None = None):
@@ -364,13 +422,13 @@ def score_task(cfg: GRPOConfig, ref: StepRef, policy_path: str, start: int, stop
     and write rewards, failures and advantages in one call: the reward and advantage stages of that
     range. Returns the range's reward statistics (the step's when the range is the whole step)."""
     store = RolloutStore(ref.root)
-    rows = store.read(ref.step, "tokens", "length", start=start, stop=stop)
+    rows = store.read(ref.step, "tokens", "length", "finish_reason", start=start, stop=stop)
     G = cfg.rollout.group_size
     stamp = store.attrs(ref.step).get("data_stamp")
     scores, first_error = _score(cfg, policy_path, rows,
                                  _records(cfg, policy_path, ref.step, start // G, stop // G, stamp))
     store.write_rows(ref.step, scores, start=start)
-    return {**reward_statistics(scores["reward"], rows["length"], G, scores["reward_failed"]),
+    return {**reward_statistics(scores["reward"], rows["length"], G, scores["reward_failed"], rows["finish_reason"]),
             "reward_first_error": first_error}
 
 
@@ -392,8 +450,8 @@ def mark_scored(cfg: GRPOConfig, ref: StepRef, *scores: dict, rollout: bool = Fa
     rollout tasks that scored their own rows (reward.in_rollout); the rollout stage is marked in
     the same update, with their results."""
     store = RolloutStore(ref.root)
-    r = store.read(ref.step, "reward", "length", "reward_failed")
-    stats = reward_statistics(r["reward"], r["length"], cfg.rollout.group_size, r["reward_failed"])
+    r = store.read(ref.step, "reward", "length", "reward_failed", "finish_reason")
+    stats = reward_statistics(r["reward"], r["length"], cfg.rollout.group_size, r["reward_failed"], r["finish_reason"])
     results = [_jsonable(d) for d in scores]
     by_stage = {"results_rollout": results} if rollout else {}
     store.mark_complete(ref.step, (("rollout",) if rollout else ()) + SCORED, **by_stage, results_reward=results,
@@ -408,7 +466,7 @@ def _read_sequences(store: RolloutStore, step: int, proximal: bool = False, refe
     ``reference`` False: ref_logp not read but zeros (the train task computes it, or nothing reads
     it: kl_beta 0)."""
     a = store.read(step, "prompt_ids", "prompt_len", "tokens", "length", "behav_logp", "advantage", "reward_failed",
-                   *(("ref_logp",) if reference else ()), *(("prox_logp",) if proximal else ()))
+                   "finish_reason", *(("ref_logp",) if reference else ()), *(("prox_logp",) if proximal else ()))
     if not reference:
         a["ref_logp"] = np.zeros(a["tokens"].shape, np.float32)
     return a
@@ -464,8 +522,8 @@ def advantage_task(cfg: GRPOConfig, ref: StepRef, *deps) -> dict[str, float]:
     valid = ~store.dask_array(ref.step, "reward_failed")  # failed rewards: out of their group's statistics
     adv = normalize_advantages(store.dask_array(ref.step, "reward"), cfg.rollout.group_size, cfg.advantage, valid)
     store.write_dask(ref.step, "advantage", adv)
-    r = store.read(ref.step, "reward", "length", "reward_failed")
-    return reward_statistics(r["reward"], r["length"], cfg.rollout.group_size, r["reward_failed"])
+    r = store.read(ref.step, "reward", "length", "reward_failed", "finish_reason")
+    return reward_statistics(r["reward"], r["length"], cfg.rollout.group_size, r["reward_failed"], r["finish_reason"])
 
 
 # -- training and publication -------------------------------------------------------------------------
@@ -484,7 +542,9 @@ def train_task(cfg: GRPOConfig, ref: StepRef, folder: RunFolder, new_version: in
                         reference=cfg.train.uses_reference and not with_reference)
     batch = build_global_batch(a, cfg.train.loss_aggregation, engine.setup.model.pad_token_id or 0,
                                cfg.microbatch_layout, reward_failed=a["reward_failed"],
-                               group_size=cfg.rollout.group_size)
+                               group_size=cfg.rollout.group_size,
+                               untrained=a["finish_reason"] == FINISH_LENGTH if cfg.train.overlong == "mask" else None)
+    engine.set_lr(lr_at(cfg.train, ref.step, cfg.iterations))  # of the step alone: a resume matches
     fused = {}
     if with_reference:
         result, ref_logp = engine.train_step_with_reference(batch)

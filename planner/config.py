@@ -111,6 +111,14 @@ class TrainConfig:
     """v: model chunks per pipeline rank (interleaved-1f1b: >= 2; zbv / dualpipev: exactly 2)."""
     micro_batch_size: int = 1
     """Sequences per microbatch (padded to prompt_len + gen_len; one optimiser update a step, as the runtime)."""
+    layer_split: tuple[int, ...] | None = None
+    """Decoder layers per virtual stage (the run's train.layer_split); None: auto, the split balancing the
+    stages' FLOPs with the head on the last (planner/training.py ``estimate_layer_split``). A layout with
+    another number of stages (schedule variants, the search) uses auto."""
+    chunked_new_tokens: int | None = None
+    """Set (the loader: the run's rollout.max_new_tokens when its train.logprob_chunk_tokens is set): auto's
+    layer split weighs the head as the chunked loss runs it, over the completion tokens only
+    (planner/training.py ``estimate_head_layers``); unset: full logits. The stage times keep full logits."""
     schedule: ScheduleName = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv, dualpipev."""
     recompute: Recompute = "none"
@@ -154,6 +162,10 @@ class TrainConfig:
                     "virtual_pipeline_model_parallel_size", "micro_batch_size"):
             _require(getattr(self, key) >= 1, f"train.{key}", "must be >= 1")
         _require(self.grad_dtype_bytes in (2, 4), "plan.train.grad_dtype_bytes", "use 2 (bf16) or 4 (fp32)")
+        _require(self.layer_split is None or all(isinstance(n, int) and n >= 1 for n in self.layer_split),
+                 "train.layer_split", "give every stage a whole number of decoder layers >= 1 (or auto)")
+        _require(self.chunked_new_tokens is None or self.chunked_new_tokens >= 1, "plan.train.chunked_new_tokens",
+                 "must be >= 1 or unset")
         _require(self.reference_parallel in ("pipeline", "data"), "train.reference_parallel", "use pipeline or data")
         _require(self.reference_parallel == "pipeline" or self.tensor_model_parallel_size == 1,
                  "train.reference_parallel", "data holds the whole reference on every rank: needs TP 1")

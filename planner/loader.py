@@ -39,7 +39,7 @@ __all__ = ["plan_config_from_run", "plan_config_from_dict", "load_plan_config"]
 # train.* keys the planner takes from the run; plan.train holds only the planner's own knobs
 _RUN_TRAIN_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
                    "virtual_pipeline_model_parallel_size", "micro_batch_size", "schedule", "clip_eps_low",
-                   "clip_eps_high", "reference_parallel")
+                   "clip_eps_high", "reference_parallel", "layer_split")
 _PLAN_TOP_KEYS = ("activation_impl", "tp_rules")
 _PLAN_WORKLOAD_KEYS = ("prompt_len", "mean_gen_len")
 _PLAN_SECTIONS = {"cluster": ClusterConfig, "rollout": RolloutConfig, "search": SearchConfig}
@@ -110,7 +110,10 @@ def plan_config_from_run(run: GRPOConfig, *, base_dir: str | Path = ".") -> Plan
     t = run.train
     shape = _model_shape(run, Path(base_dir))
     train_values = {**{k: getattr(t, k) for k in _RUN_TRAIN_KEYS},
-                    "reference_parallel": resolve_reference_parallel(t, shape), **train_knobs,
+                    "reference_parallel": resolve_reference_parallel(t, shape),
+                    "layer_split": None if t.layer_split == "auto" else tuple(t.layer_split),
+                    "chunked_new_tokens": None if run.logprob_chunk_tokens is None else run.rollout.max_new_tokens,
+                    **train_knobs,
                     **{k: plan[k] for k in _PLAN_TOP_KEYS if k in plan}}
     train = _build_section(TrainConfig, "plan.train", train_values)
     workload_knobs = _mapping(plan, "workload")

@@ -157,9 +157,8 @@ def _schedule_rows(cfg: PlanConfig) -> tuple[ScheduleRow, ...]:
 
 def _group_barrier_rows(cfg: PlanConfig, est: LayoutEstimate) -> tuple[GroupBarrierRow, ...]:
     p, m = cfg.train.pipeline_model_parallel_size, cfg.num_microbatches
-    layout = estimate_stage_layout(cfg.model_shape, _with_train(cfg, schedule="1f1b",
-                                                                virtual_pipeline_model_parallel_size=1).train)
     one_f_one_b = _with_train(cfg, schedule="1f1b", virtual_pipeline_model_parallel_size=1)
+    layout = estimate_stage_layout(cfg.model_shape, one_f_one_b.train, cfg.seq_len)
     stage_bytes = estimate_stage_activation_bytes(cfg.model_shape, one_f_one_b.train, cfg.seq_len, layout)
     durations = estimate_layout(one_f_one_b).train_step.durations
     rows = []

@@ -6,6 +6,7 @@ chosen by the numbers, so rerunning ``grpoflow plan`` after a config change rewr
 
 from __future__ import annotations
 
+from planner.config import PlanConfig
 from planner.layout import estimate_step_for_staleness
 from planner.model import estimate_kv_bytes_per_token, estimate_parameter_count
 from planner.plan import Plan
@@ -22,6 +23,8 @@ from planner.report_sections import (
 from planner.schedules import bubble_fraction_1f1b
 from planner.serialize import gib, md_table, pct, secs
 from planner.steptime import StepTimeEstimate
+from planner.training import estimate_head_layers, estimate_layer_split
+from stages.layout import layers_per_stage
 
 __all__ = ["render_report"]
 
@@ -116,6 +119,7 @@ def _inputs(plan: Plan) -> str:
         ["training", f"TP {tr.tensor_model_parallel_size}, PP {tr.pipeline_model_parallel_size}, DP {tr.data_parallel_size}, "
                      f"v {tr.virtual_pipeline_model_parallel_size}, {tr.schedule}, micro-batch {tr.micro_batch_size}, "
                      f"recompute {tr.recompute}, distributed optimiser {tr.distributed_optimizer}, {tr.attention} attention"],
+        ["layer split", _layer_split_text(cfg)],
         ["workload", f"{wl.prompts_per_step} prompts x G={wl.group_size} = {wl.num_samples} samples per step, prompt "
                      f"{wl.prompt_len}, generation up to {wl.gen_len} (mean {wl.mean_generated}); global batch "
                      f"{cfg.global_batch_size} -> m = {cfg.num_microbatches} microbatches per DP replica"],
@@ -123,6 +127,26 @@ def _inputs(plan: Plan) -> str:
                     f"{ro.staleness}, KV {ro.kv_dtype_bytes} B/elem, page {ro.page_size} tokens, {ro.batching} batching"],
     ]
     return "## Inputs\n\n" + md_table(["", "value"], rows) + "\n"
+
+
+def _split_of(cfg: PlanConfig) -> str:
+    """The configured layout's decoder layers per stage, e.g. 16/14."""
+    return "/".join(map(str, estimate_layer_split(cfg.model_shape, cfg.train, cfg.seq_len)))
+
+
+def _layer_split_text(cfg: PlanConfig) -> str:
+    """:func:`_split_of`, and the rule that chose it."""
+    tr, model = cfg.train, cfg.model_shape
+    num_stages = tr.pipeline_model_parallel_size * tr.virtual_pipeline_model_parallel_size
+    split = _split_of(cfg)
+    if tr.layer_split is not None and len(tr.layer_split) == num_stages:
+        return f"{split} (train.layer_split)"
+    head = estimate_head_layers(model, cfg.seq_len, tr.recompute, tr.chunked_new_tokens)
+    even = "/".join(map(str, layers_per_stage(model.num_hidden_layers, num_stages)))
+    scope = (f", chunked log-probs over half of {tr.chunked_new_tokens} completion tokens"
+             if tr.chunked_new_tokens is not None else "")
+    return (f"{split} (auto: the head weighs ~{head:.1f} decoder layers of forward + backward FLOPs{scope}; "
+            f"the even split is {even})")
 
 
 def _placement_section(plan: Plan) -> str:
@@ -199,8 +223,9 @@ def _schedules_section(plan: Plan) -> str:
                   "in flight rank 0 / last", "peak memory", "fits"], rows), "",
         f"The closed forms assume equal stages. The simulator runs each schedule's own action order with this layout's "
         f"per-stage times. The last stage also carries lm_head and the log-softmax over the {cfg.model_shape.vocab_size:,}-token "
-        f"vocabulary, so its forward takes {flast * 1e3:.1f} ms against {f0 * 1e3:.1f} ms on stage 0 "
-        f"({pct(flast / f0 - 1)} more). Every other rank waits for it, which is why the simulated bubble exceeds the "
+        f"vocabulary; with the layer split {_split_of(cfg)} its forward takes {flast * 1e3:.1f} ms against "
+        f"{f0 * 1e3:.1f} ms on stage 0 ({pct(abs(flast / f0 - 1))} {'more' if flast >= f0 else 'less'}). The faster "
+        f"ranks wait for the slowest stage, which is why the simulated bubble exceeds the "
         f"closed form. With m = {cfg.num_microbatches} microbatches per update the schedule-inherent bubble is already "
         "small, so the choice of schedule is decided by memory more than by bubble.",
     ]

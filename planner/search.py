@@ -147,7 +147,7 @@ def _static_memory_bytes(cfg: PlanConfig) -> float:
     """Weights + the frozen reference's stages + grads + optimiser of the heaviest pipeline rank: a
     floor no schedule or recompute lowers."""
     model, train = cfg.model_shape, cfg.train
-    layout = estimate_stage_layout(model, train)
+    layout = estimate_stage_layout(model, train, cfg.seq_len)
     worst = 0.0
     for rank in range(layout.num_ranks):
         params = sum(estimate_stage_parameters(model, layout.layers[s], has_embedding=s == 0,

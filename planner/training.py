@@ -28,16 +28,19 @@ from planner.memory import (
     estimate_stage_parameters,
 )
 from planner.model import ModelShape, estimate_layer_parameter_count, estimate_parameter_count
-from stages.layout import layers_per_stage, stage_to_rank
+from stages.layout import balanced_layer_split, stage_to_rank
 from planner.simulator import ActionDurations, ScheduleSimulation, simulate_peak_stash_bytes, simulate_schedule
 
 _ADAM_STEP_BYTES_PER_PARAM = 30  # HBM traffic of one Adam update per parameter, see estimate_train_step
+_CHUNKED_HEAD_MATMULS = 4  # chunked loss: logits in the forward, again in the backward, then grad h and grad W
 
 __all__ = [
     "StageLayout",
     "TrainingMemory",
     "TrainStepEstimate",
     "estimate_stage_layout",
+    "estimate_head_layers",
+    "estimate_layer_split",
     "activation_impl_of",
     "estimate_action_durations",
     "estimate_train_step",
@@ -131,10 +134,41 @@ def pipeline_hop_crosses_node(train: TrainConfig, gpus_per_node: int) -> bool:
     return False
 
 
-def estimate_stage_layout(model: ModelShape, train: TrainConfig) -> StageLayout:
-    """Layer split over the p*v virtual stages and the rank of each."""
+def estimate_stage_layout(model: ModelShape, train: TrainConfig, seq_len: int) -> StageLayout:
+    """Layer split over the p*v virtual stages (:func:`estimate_layer_split`) and the rank of each."""
     p, v = train.pipeline_model_parallel_size, train.virtual_pipeline_model_parallel_size
-    return StageLayout(layers_per_stage(model.num_hidden_layers, p * v), stage_to_rank(train.schedule, p, v), p)
+    return StageLayout(estimate_layer_split(model, train, seq_len), stage_to_rank(train.schedule, p, v), p)
+
+
+def estimate_head_layers(model: ModelShape, seq_len: int, recompute: str = "none",
+                         chunked_new_tokens: int | None = None) -> float:
+    """The head's forward + backward FLOPs in decoder layers' (both per sequence of ``seq_len``
+    tokens, from :func:`_stage_flops`): with full logits, per token, 2 V d / (2 x a layer's matmul
+    weights + 2 q_dim s x CAUSAL_ATTENTION_FLOP_FACTOR). Not counted: the final norm, the
+    log-softmax (a few FLOPs a logit against the matmul's 2 d) and the embedding's gather.
+
+    ``chunked_new_tokens`` (the chunked loss, train.logprob_chunk_tokens; its rollout.max_new_tokens):
+    the head projects only a sequence's completion tokens, 0 to this many, and recomputes their
+    logits in the backward (stages/train/loss.py): 4 head matmuls a projected token instead of 3.
+    The lengths are sampled, so they are counted at half of it: balancing that leaves the slowest
+    stage at most half the full-length head's weight off, however long the completions run.
+    SmolLM2-135M, s = 144: 56.6 M / 7.25 M = 7.8 layers; chunked, 48 new tokens: 7.8 x 4/3 x 24/144 = 1.7."""
+    head = sum(_stage_flops(model, 0, 1, seq_len, True, recompute))
+    if chunked_new_tokens is not None:
+        head *= _CHUNKED_HEAD_MATMULS / 3 * min(chunked_new_tokens / 2, seq_len) / seq_len
+    layer = sum(_stage_flops(model, 1, 1, seq_len, False, recompute))
+    return head / layer
+
+
+def estimate_layer_split(model: ModelShape, train: TrainConfig, seq_len: int) -> tuple[int, ...]:
+    """Decoder layers per virtual stage: train.layer_split when it has p*v entries, else (auto, or
+    a variant of the layout with another stage count) stages/layout ``balanced_layer_split`` with the
+    head weighed by :func:`estimate_head_layers` (the runtime's GRPOConfig.layer_split, the same rule)."""
+    num_stages = train.pipeline_model_parallel_size * train.virtual_pipeline_model_parallel_size
+    if train.layer_split is not None and len(train.layer_split) == num_stages:
+        return tuple(train.layer_split)
+    return balanced_layer_split(model.num_hidden_layers, num_stages,
+                                estimate_head_layers(model, seq_len, train.recompute, train.chunked_new_tokens))
 
 
 def _stage_flops(model: ModelShape, layers: int, tokens: int, seq_len: int, has_head: bool,
@@ -156,7 +190,7 @@ def _stage_flops(model: ModelShape, layers: int, tokens: int, seq_len: int, has_
 def estimate_action_durations(model: ModelShape, cluster: ClusterConfig, train: TrainConfig, seq_len: int,
                               layout: StageLayout | None = None) -> ActionDurations:
     """Seconds per F / I / W / B of each virtual stage, and per pipeline transfer."""
-    layout = layout or estimate_stage_layout(model, train)
+    layout = layout or estimate_stage_layout(model, train, seq_len)
     tp, mbs = train.tensor_model_parallel_size, train.micro_batch_size
     tokens = mbs * seq_len
     rate = cluster.peak_flops * cluster.mfu
@@ -233,7 +267,7 @@ def estimate_training_memory(cfg: PlanConfig, simulation: ScheduleSimulation | N
     """Memory stack of each pipeline rank; activation stash from the schedule's in-flight microbatches."""
     model, train, seq_len = cfg.model_shape, cfg.train, cfg.seq_len
     simulation = simulation or estimate_schedule_in_flight(cfg)
-    layout = estimate_stage_layout(model, train)
+    layout = estimate_stage_layout(model, train, seq_len)
     tp, dp = train.tensor_model_parallel_size, train.data_parallel_size
     stash = simulate_peak_stash_bytes(simulation, estimate_stage_activation_bytes(model, train, seq_len, layout))
     tokens = train.micro_batch_size * seq_len
@@ -264,14 +298,6 @@ def estimate_training_memory(cfg: PlanConfig, simulation: ScheduleSimulation | N
     return tuple(result)
 
 
-def _steady_period_s(durations: ActionDurations, layout: StageLayout) -> float:
-    """Seconds per extra microbatch once the pipeline is full: the busiest rank's F + B over its stages."""
-    per_rank = [0.0] * layout.num_ranks
-    for stage, rank in enumerate(layout.ranks):
-        per_rank[rank] += durations.duration(stage, "F") + durations.duration(stage, "B")
-    return max(per_rank)
-
-
 def _simulated_microbatches(m: int, p: int, v: int, cap: int | None) -> int:
     """m, or a smaller multiple of p (>= 2*p*v) whose steady state is already reached."""
     if cap is None or m <= cap:
@@ -293,22 +319,26 @@ def estimate_train_step(cfg: PlanConfig, durations: ActionDurations | None = Non
     """Simulated training step: pipeline makespan per optimiser update, DP gradient sync, optimiser.
 
     With ``max_simulated_microbatches`` (the search), a step of m microbatches is simulated with m' < m
-    and extended by (m - m') steady-state periods of the busiest rank; in-flight peaks are unchanged
-    once m' >= 2*p*v (tests check the extrapolation against full simulations).
+    and extended by (m - m') steady-state periods (m' + p simulated, less m', over p); in-flight peaks are
+    unchanged once m' >= 2*p*v (tests check the extrapolation against full simulations).
     """
     model, train, cluster = cfg.model_shape, cfg.train, cfg.cluster
-    layout = estimate_stage_layout(model, train)
+    layout = estimate_stage_layout(model, train, cfg.seq_len)
     durations = durations or estimate_action_durations(model, cluster, train, cfg.seq_len, layout)
     p, v, m = train.pipeline_model_parallel_size, train.virtual_pipeline_model_parallel_size, cfg.num_microbatches
     # GPipe keeps all m in flight, so its peaks need the whole step; it is cheap to simulate anyway
     cap = None if train.schedule == "gpipe" else max_simulated_microbatches
     m_sim = _simulated_microbatches(m, p, v, cap)
+    period = 0.0
     if m_sim < m:
-        sim = _light_simulation(train.schedule, p, m_sim, v, tuple(sorted(durations.per_stage.items())),
-                                durations.p2p_s)
+        key = (tuple(sorted(durations.per_stage.items())), durations.p2p_s)
+        sim = _light_simulation(train.schedule, p, m_sim, v, *key)
+        # The steady period is one more round of p microbatches, simulated: the busiest rank's F + B when
+        # one rank is slowest, plus a hop when balanced neighbours run 1F1B in lock-step.
+        period = (_light_simulation(train.schedule, p, m_sim + p, v, *key).makespan_s - sim.makespan_s) / p
     else:
         sim = simulate_schedule(train.schedule, p, m_sim, v, durations)
-    makespan = sim.makespan_s + (m - m_sim) * _steady_period_s(durations, layout)
+    makespan = sim.makespan_s + (m - m_sim) * period
     num_updates = cfg.workload.num_samples // cfg.global_batch_size
     tp, dp = train.tensor_model_parallel_size, train.data_parallel_size
     params_per_gpu = max(

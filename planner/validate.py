@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from stages.layout import parallel_layout_error
+from stages.layout import layer_split_error, parallel_layout_error
 
 if TYPE_CHECKING:
     from planner.config import PlanConfig
@@ -51,8 +51,11 @@ def _parallel_error(cfg: PlanConfig) -> str | None:
         return (f"train.tensor_model_parallel_size: {tp} exceeds plan.cluster.gpus_per_node ({cfg.cluster.gpus_per_node}); "
                 "TP all-reduces must stay on NVLink, use a smaller TP and a larger PP")
     # The run config asks the same question (stages/config.py), so the planner accepts exactly what the runtime does.
-    return parallel_layout_error(shape, tp=tp, pp=pp, virtual=v, schedule=tr.schedule,
-                                 num_microbatches=cfg.num_microbatches, rules=tr.tensor_parallel_rules)
+    error = parallel_layout_error(shape, tp=tp, pp=pp, virtual=v, schedule=tr.schedule,
+                                  num_microbatches=cfg.num_microbatches, rules=tr.tensor_parallel_rules)
+    if error is None and tr.layer_split is not None and len(tr.layer_split) == pp * v:  # others: auto
+        error = layer_split_error(tr.layer_split, shape.num_hidden_layers, pp * v)
+    return error
 
 
 def _batch_error(cfg: PlanConfig) -> str | None:

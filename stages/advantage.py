@@ -24,7 +24,7 @@ from stages.config import AdvantageConfig
 if TYPE_CHECKING:
     import dask.array as da
 
-__all__ = ["normalize_advantages", "trained_samples", "MIN_VALID_PER_GROUP"]
+__all__ = ["normalize_advantages", "trained_samples", "informative_groups", "MIN_VALID_PER_GROUP"]
 
 MIN_VALID_PER_GROUP = 2  # one valid sample alone has no group to be relative to
 
@@ -44,6 +44,15 @@ def trained_samples(valid: _Array, group_size: int) -> _Array:
     grouped = valid.astype(bool).reshape(-1, group_size)  # (num_groups, G)
     enough = grouped.sum(axis=1, keepdims=True) >= MIN_VALID_PER_GROUP
     return (grouped & enough).reshape(-1)
+
+
+def informative_groups(rewards: np.ndarray, failed: np.ndarray, group_size: int) -> np.ndarray:
+    """[num_groups] bool: groups whose advantages are not all 0, i.e. with >= MIN_VALID_PER_GROUP
+    valid samples whose rewards are not all equal (what rollout.dynamic_sampling keeps)."""
+    valid = trained_samples(~np.asarray(failed, bool), group_size).reshape(-1, group_size)
+    grouped = np.asarray(rewards, np.float64).reshape(-1, group_size)
+    spread = np.where(valid, grouped, -np.inf).max(axis=1) - np.where(valid, grouped, np.inf).min(axis=1)
+    return valid.any(axis=1) & (spread > 0)
 
 
 def normalize_advantages(rewards: _Array, group_size: int, cfg: AdvantageConfig,

@@ -18,8 +18,10 @@ from stages.config import ModelConfig, RewardConfig, TrainConfig, WarmupConfig, 
 from stages.data import PromptRecord
 from stages.policy import DecoderConfig
 from stages.policy.tokenizer import TextCodec
-from stages.reward import ScoredGroups, score_samples
+from stages.rollout.engine import FINISH_LENGTH
+from stages.reward import ScoredGroups, overlong_penalty, score_samples
 from stages.tasks.addition import make_tokenizer_json, warmup_pairs
+from stages.train.auto import auto_logprob_chunk_tokens
 from stages.train.engine import InjectedFault, TrainSetup
 from stages.train.loss import LossConfig
 from stages.warmup import supervised_warmup
@@ -83,19 +85,26 @@ def score_rows(codec: TextCodec, rows: dict[str, np.ndarray], records: Sequence[
                reward: RewardConfig) -> ScoredGroups:
     """Rewards of stored rows (tokens, length; whole groups; ``records`` are their prompts, one per
     group): the completions are decoded, the prompt text and the record's fields (``answer`` ...) come from the
-    record, so a reward judges the prompt as written, not its chat-templated tokens."""
+    record, so a reward judges the prompt as written, not its chat-templated tokens. With
+    reward.overlong_buffer, DAPO's soft overlong penalty is added to each scored sample's reward."""
     completions = decode_completions(codec, rows)
     if len(completions) != len(records) * group_size:
         raise ValueError(f"{len(completions)} rows are not {len(records)} groups of {group_size}")
     prompts = [r.prompt for r in records for _ in range(group_size)]
     fields = [r.reward_kwargs() for r in records for _ in range(group_size)]
-    return score_samples(prompts, completions, list(reward.functions), reward.timeout_s, fields=fields,
-                         memory_limit_bytes=reward.memory_limit_bytes)
+    scored = score_samples(prompts, completions, list(reward.functions), reward.timeout_s, fields=fields,
+                           memory_limit_bytes=reward.memory_limit_bytes)
+    if reward.overlong_buffer == 0:
+        return scored
+    penalty = overlong_penalty(rows["length"], rows["tokens"].shape[1], reward.overlong_buffer, reward.overlong_penalty)
+    return dataclasses.replace(scored, reward=np.where(scored.failed, scored.reward, scored.reward + penalty))
 
 
 def reward_statistics(reward: np.ndarray, length: np.ndarray, group_size: int,
-                      failed: Optional[np.ndarray] = None) -> dict[str, float]:
-    """The step's reward metrics. reward, length, failed: [num_samples], G rows per group contiguous.
+                      failed: Optional[np.ndarray] = None, finish_reason: Optional[np.ndarray] = None
+                      ) -> dict[str, float]:
+    """The step's reward metrics. reward, length, failed, finish_reason: [num_samples], G rows per
+    group contiguous; truncated_fraction is the share of completions cut at max_new_tokens.
 
     Means and reward_std (population deviation, ddof=0) are over the samples whose reward was
     scored; a failed sample (stages/reward) is counted, not averaged. A zero-variance group (all its
@@ -111,18 +120,28 @@ def reward_statistics(reward: np.ndarray, length: np.ndarray, group_size: int,
             "reward_failed": float((~ok).sum()),
             "untrained_groups": float((~trained.any(axis=1)).sum()),
             "zero_variance_groups": float((trained.any(axis=1) & (spread == 0)).sum()),
-            "completion_length_mean": float(length.mean())}
+            "completion_length_mean": float(length.mean()),
+            **({} if finish_reason is None else
+               {"truncated_fraction": float((np.asarray(finish_reason) == FINISH_LENGTH).mean())})}
 
 
 def train_setup(train: TrainConfig, model_cfg: DecoderConfig, num_microbatches: int, temperature: float,
                 faults: tuple[InjectedFault, ...] = (), max_staleness: int = 0,
-                reference_parallel: Optional[str] = None) -> TrainSetup:
+                reference_parallel: Optional[str] = None,
+                logprob_chunk_tokens: Optional[int] = None,
+                layer_split: Optional[tuple[int, ...]] = None) -> TrainSetup:
     """A training rank's setup: the train section, the model, the per-pipeline microbatch count
     and the rollout temperature (the loss scores log-probs at the sampling temperature);
     max_staleness picks the off-policy default (stages/config.py effective_off_policy);
     reference_parallel: train.reference_parallel resolved (GRPOConfig.reference_parallel; None:
-    the section's own value, or pipeline for auto)."""
+    the section's own value, or pipeline for auto); logprob_chunk_tokens: train.logprob_chunk_tokens
+    resolved (GRPOConfig.logprob_chunk_tokens; None: the section's own value, auto resolved for
+    model_cfg's vocabulary by the same rule, stages/train/auto.py); layer_split: train.layer_split
+    resolved (GRPOConfig.layer_split; None: the section's own list, or the even split for auto)."""
     t = train
+    chunk = t.logprob_chunk_tokens
+    if chunk == "auto":
+        chunk = auto_logprob_chunk_tokens(model_cfg.vocab_size)
     return TrainSetup(
         model=model_cfg, pipeline_parallel_size=t.pipeline_model_parallel_size,
         num_microbatches=num_microbatches, schedule=t.schedule,
@@ -131,7 +150,8 @@ def train_setup(train: TrainConfig, model_cfg: DecoderConfig, num_microbatches: 
         max_grad_norm=t.max_grad_norm,
         loss=LossConfig(t.clip_eps_low, t.clip_eps_high, t.kl_beta, temperature,
                         effective_off_policy(t, max_staleness), ratio_level=t.policy_ratio),
-        logprob_chunk_tokens=t.logprob_chunk_tokens, timeout_s=t.timeout_s, faults=faults,
+        logprob_chunk_tokens=logprob_chunk_tokens or chunk, timeout_s=t.timeout_s, faults=faults,
         reference_parallel=reference_parallel or (t.reference_parallel if t.reference_parallel != "auto"
                                                   else "pipeline"),
-        reference=t.uses_reference, device=t.device, dtype=t.dtype)
+        reference=t.uses_reference, device=t.device, dtype=t.dtype,
+        layer_split=layer_split or (tuple(t.layer_split) if t.layer_split != "auto" else None))

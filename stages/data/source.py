@@ -6,6 +6,11 @@ takes stream positions ``[k * P, (k + 1) * P)`` with P = prompts per step. A ste
 straddle an epoch boundary, and the records of step k depend only on the seed, k and the data, so a
 resumed or rerun step sees the same prompts. The addition source generates step k's prompts from
 ``(seed, k)`` (stages/tasks/addition.py).
+
+Extra rounds (rollout.dynamic_sampling): round r >= 1 of step k gives P further records, drawn
+apart from the stream, deterministic in ``(seed, k, r)``: a file source takes the first P records of
+a permutation seeded by them (cycling when the data holds fewer than P), the addition source
+generates them from ``(seed, k, r)``.
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ class PromptSource(Protocol):
     num_steps: Optional[int]
     """Steps the data allows (None: unlimited)."""
 
-    def records(self, step: int) -> list[PromptRecord]: ...
+    def records(self, step: int, round: int = 0) -> list[PromptRecord]: ...
 
 
 def dataset_stamp(cfg: DatasetConfig) -> tuple:
@@ -124,14 +129,18 @@ class FilePromptSource:
             return np.arange(n)
         return np.random.default_rng([self.cfg.seed, 3, epoch]).permutation(n)
 
-    def records(self, step: int) -> list[PromptRecord]:
-        """The ``prompts_per_step`` records of ``step``."""
-        if step < 0:
-            raise DatasetError(f"step={step} must be >= 0")
+    def records(self, step: int, round: int = 0) -> list[PromptRecord]:
+        """The ``prompts_per_step`` records of ``step``; ``round`` >= 1: of its extra round
+        (module docstring)."""
+        if step < 0 or round < 0:
+            raise DatasetError(f"step={step}, round={round} must be >= 0")
         if self.num_steps is not None and step >= self.num_steps:
             raise DatasetError(f"{self.cfg.path}: step {step} is past the data's {self.num_steps} steps "
                                f"(dataset.epochs={self.cfg.epochs}); raise dataset.epochs or lower iterations")
         n, p = len(self._records), self.prompts_per_step
+        if round:
+            order = np.random.default_rng([self.cfg.seed, 4, step, round]).permutation(n)
+            return [self._records[int(order[k % n])] for k in range(p)]
         out: list[PromptRecord] = []
         position = step * p
         while len(out) < p:
@@ -175,9 +184,10 @@ class AdditionPromptSource:
             raise DatasetError(f"dataset.max_prompt_tokens={limit} is below the addition prompt width "
                                f"{self.prompt_width} (num_digits={cfg.num_digits}); raise it or unset it")
 
-    def records(self, step: int) -> list[PromptRecord]:
+    def records(self, step: int, round: int = 0) -> list[PromptRecord]:
         out = []
-        for i, text in enumerate(make_prompts(self.cfg.seed, step, self.prompts_per_step, self.cfg.num_digits)):
+        texts = make_prompts(self.cfg.seed, step, self.prompts_per_step, self.cfg.num_digits, round)
+        for i, text in enumerate(texts):
             ids = tuple(self.codec.encode_prompt(text))
             if len(ids) > self.prompt_width:
                 raise DatasetError(f"addition step {step} prompt {i} {text!r} is {len(ids)} tokens, over the "

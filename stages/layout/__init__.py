@@ -8,7 +8,9 @@ from stages.layout.pipeline import (
     SPLIT_BACKWARD,
     V_SHAPED,
     ScheduleName,
+    balanced_layer_split,
     layer_ranges,
+    layer_split_error,
     layers_per_stage,
     schedule_error,
     stage_to_rank,
@@ -27,7 +29,7 @@ from stages.layout.tensor_parallel import (
 __all__ = [
     "MeshCoord", "ParallelLayout",
     "ScheduleName", "SCHEDULES", "V_SHAPED", "SPLIT_BACKWARD", "schedule_error", "stage_to_rank", "layer_ranges",
-    "layers_per_stage",
+    "layers_per_stage", "balanced_layer_split", "layer_split_error",
     "MODEL_TYPES", "ModelShape", "attention_bias_of", "shape_from_hf", "hf_rope_theta",
     "TensorParallelRules", "RUNTIME_TP", "MEGATRON_TP", "TP_RULES", "tensor_parallel_error", "kv_heads_per_rank",
     "parallel_layout_error",

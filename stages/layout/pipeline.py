@@ -8,15 +8,21 @@ Stage placement over S = p * v virtual stages (torch's ``generate_stage_to_rank_
 - V-shape (zbv, dualpipev; v = 2): stage s on rank s for s < p and on 2p - 1 - s after, so rank r
   holds r and 2p - 1 - r, and rank 0 holds both the embedding and the head (Qi et al. 2023, Sec. 6).
 
-Layer split: L layers over S stages as evenly as possible, earlier stages taking the remainder.
+Layer split: L decoder layers over S stages, stage s holding n_s >= 1 of them in order. Even
+(:func:`layer_ranges` without a split): as evenly as possible, earlier stages taking the remainder.
+Balanced (:func:`balanced_layer_split`, train.layer_split=auto): the first stage also holds the
+embedding (a gather: no FLOPs) and the last the final norm, lm_head and the loss's log-softmax,
+worth ``head_layers`` decoder layers of forward + backward work, and the split minimises the
+slowest stage's work max_s (n_s + [s = S - 1] * head_layers).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal, Optional, get_args
 
 __all__ = ["ScheduleName", "SCHEDULES", "V_SHAPED", "SPLIT_BACKWARD", "schedule_error", "stage_to_rank",
-           "layer_ranges", "layers_per_stage"]
+           "layer_ranges", "layers_per_stage", "balanced_layer_split", "layer_split_error"]
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev"]
 SCHEDULES: tuple[str, ...] = get_args(ScheduleName)
@@ -67,14 +73,20 @@ def stage_to_rank(schedule: str, pp: int, virtual: int) -> tuple[int, ...]:
     return tuple(s % pp for s in range(total))
 
 
-def layer_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
-    """Contiguous [first, last) layer ranges of a pipeline split, earlier stages taking the remainder."""
+def layer_ranges(num_layers: int, num_stages: int,
+                 split: Optional[Sequence[int]] = None) -> list[tuple[int, int]]:
+    """Contiguous [first, last) layer ranges of a pipeline split: ``split`` (layers per stage,
+    :func:`layer_split_error` checks it), or None for the even one, earlier stages taking the remainder."""
     if not 1 <= num_stages <= num_layers:
         raise ValueError(f"cannot split {num_layers} layers into {num_stages} pipeline stages")
-    base, extra = divmod(num_layers, num_stages)
+    if split is None:
+        base, extra = divmod(num_layers, num_stages)
+        split = [base + (1 if s < extra else 0) for s in range(num_stages)]
+    error = layer_split_error(split, num_layers, num_stages)
+    if error:
+        raise ValueError(error)
     ranges, start = [], 0
-    for s in range(num_stages):
-        size = base + (1 if s < extra else 0)
+    for size in split:
         ranges.append((start, start + size))
         start += size
     return ranges
@@ -83,3 +95,41 @@ def layer_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
 def layers_per_stage(num_layers: int, num_stages: int) -> tuple[int, ...]:
     """Layers of each stage of :func:`layer_ranges` (e.g. 81 over 8: 11, 10, ..., 10)."""
     return tuple(last - first for first, last in layer_ranges(num_layers, num_stages))
+
+
+def layer_split_error(split: Sequence[int], num_layers: Optional[int], num_stages: int) -> Optional[str]:
+    """Why ``split`` (decoder layers per stage) is not a split of ``num_layers`` layers (None: not
+    known yet) over ``num_stages`` = train.pipeline_model_parallel_size x virtual stages; None when
+    it is. Every stage holds at least one layer, as the even split does (p * v <= layers)."""
+    sizes = list(split)
+    if len(sizes) != num_stages:
+        return (f"train.layer_split={sizes} lists {len(sizes)} stages, the pipeline has {num_stages} "
+                "(pipeline_model_parallel_size x virtual_pipeline_model_parallel_size): give one count per stage")
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes):
+        return f"train.layer_split={sizes} must give every stage a whole number of decoder layers >= 1"
+    if num_layers is not None and sum(sizes) != num_layers:
+        return (f"train.layer_split={sizes} holds {sum(sizes)} decoder layers, the model has "
+                f"model.num_hidden_layers={num_layers}: make them sum to it (or set train.layer_split=auto)")
+    return None
+
+
+def balanced_layer_split(num_layers: int, num_stages: int, head_layers: float) -> tuple[int, ...]:
+    """Layers per stage minimising the slowest stage's work max_s (n_s + [s = S - 1] * h), every
+    n_s >= 1, where h = ``head_layers`` is the work of the head (final norm, lm_head, log-softmax)
+    on the last stage in units of one decoder layer's (planner/training.py ``estimate_head_layers``).
+
+    Greedy water-filling: from one layer per stage, each further layer goes to the stage whose work
+    would be lowest after taking it, the earliest on ties. The costs are n_s plus a constant, so
+    this reaches the least maximum (and, h = 0, the even split of :func:`layer_ranges`).
+    30 layers over 2 stages, h = 7: the work is 37, 18.5 a stage; 19 / 11 (work 19 / 18).
+    """
+    if not 1 <= num_stages <= num_layers:
+        raise ValueError(f"cannot split {num_layers} layers into {num_stages} pipeline stages")
+    if not head_layers >= 0:
+        raise ValueError(f"head_layers={head_layers} must be >= 0")
+    counts = [1] * num_stages
+    fixed = [0.0] * (num_stages - 1) + [float(head_layers)]
+    for _ in range(num_layers - num_stages):
+        s = min(range(num_stages), key=lambda i: (counts[i] + 1 + fixed[i], i))
+        counts[s] += 1
+    return tuple(counts)

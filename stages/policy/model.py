@@ -13,7 +13,7 @@ splits and wraps it.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
@@ -317,10 +317,13 @@ class DecoderStage(nn.Module):
 
 
 def build_stage(cfg: DecoderConfig, stage: int = 0, num_stages: int = 1,
-                return_hidden: bool = False) -> DecoderStage:
+                return_hidden: bool = False, layer_split: Optional[Sequence[int]] = None) -> DecoderStage:
+    """Stage ``stage`` of a ``num_stages``-stage pipeline: its layers by ``layer_split`` (layers per
+    stage; None: the even split, stages/layout ``layer_ranges``), the embedding on the first, the
+    final norm and lm_head on the last."""
     if not 0 <= stage < num_stages:
         raise ValueError(f"stage {stage} does not exist in a {num_stages}-stage pipeline")
-    first, last = layer_ranges(cfg.num_hidden_layers, num_stages)[stage]
+    first, last = layer_ranges(cfg.num_hidden_layers, num_stages, layer_split)[stage]
     return DecoderStage(cfg, first, last, is_first=stage == 0, is_last=stage == num_stages - 1,
                         return_hidden=return_hidden)
 

@@ -26,7 +26,7 @@ import numpy as np
 from stages.reward.isolated import RewardProcessError, SampleFailed, reward_process
 from stages.tasks.addition import answer_of
 
-__all__ = ["RewardFn", "REWARDS", "register_reward", "get_reward", "resolve_reward", "accepted_fields",
+__all__ = ["RewardFn", "REWARDS", "overlong_penalty", "register_reward", "get_reward", "resolve_reward", "accepted_fields",
            "check_reward_functions", "RewardFunctionError", "RewardProcessError", "ScoredGroups",
            "score_samples", "DEFAULT_MEMORY_LIMIT_BYTES"]
 
@@ -150,6 +150,18 @@ def last_number(prompt: str, completion: str, answer: Optional[str] = None) -> f
 
 # Registers math_answer; its heavy import (sympy) happens on first use.
 from stages.reward import math_answer as _math_answer  # noqa: E402,F401
+
+
+def overlong_penalty(length: np.ndarray, max_new_tokens: int, buffer: int, penalty: float) -> np.ndarray:
+    """DAPO's soft overlong punishment [N] float32 of completion lengths [N]: 0 up to
+    max_new_tokens - buffer tokens, then falling linearly to -penalty at max_new_tokens
+    (reward.overlong_buffer, reward.overlong_penalty). buffer 0: zeros."""
+    if buffer <= 0:
+        return np.zeros(len(length), dtype=np.float32)
+    if buffer >= max_new_tokens:
+        raise ValueError(f"reward.overlong_buffer={buffer} must be below rollout.max_new_tokens={max_new_tokens}")
+    over = np.clip(np.asarray(length, dtype=np.float64) - (max_new_tokens - buffer), 0, buffer)
+    return (-penalty * over / buffer).astype(np.float32)
 
 
 @dataclass(frozen=True)

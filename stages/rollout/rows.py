@@ -9,7 +9,7 @@ by (run seed, step, first prompt): a rerun of a step's range regenerates the sam
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -17,8 +17,9 @@ import torch
 from stages.config import RolloutConfig
 from stages.policy.tokenizer import TextCodec
 from stages.rollout.engine import EngineConfig, RolloutBatch, SamplingParams, generate
+from stages.rollout.speculative import generate_speculative
 
-__all__ = ["RolloutRows", "rollout_seed", "first_group_id", "sampling_params", "rollout_rows", "generate_rows"]
+__all__ = ["RolloutRows", "ROUND_GROUP_STRIDE", "rollout_seed", "first_group_id", "sampling_params", "rollout_rows", "generate_rows"]
 
 # Multipliers of the seed mix: primes, so (seed, step, prompt_start) triples that differ give
 # different seeds for any realistic run (steps < 1_000_003 / 1_009, prompts per step < 1_009).
@@ -39,14 +40,22 @@ class RolloutRows:
         return len(self.arrays["length"])
 
 
-def rollout_seed(seed: int, step: int, prompt_start: int) -> int:
-    """The sampling generator's seed for prompts starting at ``prompt_start`` of step ``step``."""
+# Group ids of a step's extra rounds (rollout.dynamic_sampling) sit above round 0's: round r adds r
+# times this, so ids stay unique across a run of fewer than 2**40 / prompts_per_step steps.
+ROUND_GROUP_STRIDE = 1 << 40
+
+
+def rollout_seed(seed: int, step: int, prompt_start: int, round: int = 0) -> int:
+    """The sampling generator's seed for prompts starting at ``prompt_start`` of step ``step``;
+    ``round`` >= 1: of an extra round (rollout.dynamic_sampling), a seed of its own."""
+    if round:
+        return int(np.random.SeedSequence([seed, step, prompt_start, round]).generate_state(1, np.uint64)[0] >> 1)
     return seed * _SEED_MUL + step * _STEP_MUL + prompt_start
 
 
-def first_group_id(step: int, prompts_per_step: int, prompt_start: int) -> int:
-    """Run-wide group id of prompt ``prompt_start`` of step ``step``."""
-    return step * prompts_per_step + prompt_start
+def first_group_id(step: int, prompts_per_step: int, prompt_start: int, round: int = 0) -> int:
+    """Run-wide group id of prompt ``prompt_start`` of step ``step`` (of its extra round ``round``)."""
+    return step * prompts_per_step + prompt_start + round * ROUND_GROUP_STRIDE
 
 
 def sampling_params(cfg: RolloutConfig, codec: TextCodec) -> SamplingParams:
@@ -77,13 +86,23 @@ def rollout_rows(batch: RolloutBatch, prompt_width: int, pad_id: int, first_grou
 
 def generate_rows(model: torch.nn.Module, codec: TextCodec, prompt_ids: Sequence[Sequence[int]], cfg: RolloutConfig,
                   *, seed: int, step: int, prompt_start: int, prompts_per_step: int, prompt_width: int,
-                  policy_version: int) -> RolloutRows:
+                  policy_version: int, round: int = 0, draft: Optional[torch.nn.Module] = None) -> RolloutRows:
     """Sample ``cfg.group_size`` completions of each tokenised prompt (prompts ``prompt_start``
-    onwards of the step, as the prompt source gives them: template and BOS included) and return
-    their rows."""
+    onwards of the step, as the prompt source gives them: template and BOS included; ``round``
+    >= 1: of the step's extra round) and return their rows. ``draft``: decode speculatively with it
+    proposing ``cfg.draft_tokens`` tokens per forward of ``model`` (the same distribution of rows;
+    the metrics gain speculative_acceptance and speculative_tokens_per_forward)."""
     ids = [list(p) for p in prompt_ids]
-    gen = torch.Generator().manual_seed(rollout_seed(seed, step, prompt_start))
-    batch = generate(model, ids, sampling_params(cfg, codec), gen,
-                     EngineConfig(page_size=cfg.page_size, max_num_seqs=cfg.max_num_seqs))
-    return rollout_rows(batch, prompt_width, codec.pad_id, first_group_id(step, prompts_per_step, prompt_start),
+    gen = torch.Generator().manual_seed(rollout_seed(seed, step, prompt_start, round))
+    engine = EngineConfig(page_size=cfg.page_size, max_num_seqs=cfg.max_num_seqs)
+    extra: dict[str, float] = {}
+    if draft is None:
+        batch = generate(model, ids, sampling_params(cfg, codec), gen, engine)
+    else:
+        batch, stats = generate_speculative(model, draft, ids, sampling_params(cfg, codec), gen, cfg.draft_tokens,
+                                            engine)
+        extra = {"speculative_acceptance": stats.acceptance, "speculative_tokens_per_forward": stats.tokens_per_verify}
+    rows = rollout_rows(batch, prompt_width, codec.pad_id, first_group_id(step, prompts_per_step, prompt_start, round),
                         cfg.group_size, policy_version, row_start=prompt_start * cfg.group_size)
+    rows.metrics.update(extra)
+    return rows

@@ -10,10 +10,17 @@ from __future__ import annotations
 import numpy as np
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders
 
-__all__ = ["SPECIALS", "make_tokenizer_json", "make_prompts", "parse_prompt", "answer_of", "warmup_pairs"]
+__all__ = ["SPECIALS", "vocab_size", "make_tokenizer_json", "make_prompts", "parse_prompt", "answer_of",
+           "warmup_pairs"]
 
 SPECIALS = ("<pad>", "<bos>", "<eos>")
 _CHARS = "0123456789+="
+
+
+def vocab_size() -> int:
+    """Tokens of :func:`make_tokenizer_json`'s vocabulary (15): the built-in model's embedding rows
+    unless model.vocab_size is set."""
+    return len(SPECIALS) + len(_CHARS)
 
 
 def make_tokenizer_json() -> str:
@@ -25,9 +32,10 @@ def make_tokenizer_json() -> str:
     return tok.to_str()
 
 
-def make_prompts(seed: int, step: int, num_prompts: int, num_digits: int) -> list[str]:
-    """Prompt texts of one step (without the BOS token), deterministic in (seed, step)."""
-    rng = np.random.default_rng([seed, 1, step])
+def make_prompts(seed: int, step: int, num_prompts: int, num_digits: int, round: int = 0) -> list[str]:
+    """Prompt texts of one step (without the BOS token), deterministic in (seed, step); ``round``
+    >= 1: of the step's extra round of prompts (rollout.dynamic_sampling), in (seed, step, round)."""
+    rng = np.random.default_rng([seed, 1, step, *((round,) if round else ())])
     hi = 10 ** num_digits
     a, b = rng.integers(0, hi, size=num_prompts), rng.integers(0, hi, size=num_prompts)
     return [f"{x}+{y}=" for x, y in zip(a.tolist(), b.tolist())]

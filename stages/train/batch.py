@@ -163,19 +163,24 @@ class BucketedBatch:
 def build_global_batch(arrays: dict[str, np.ndarray], mode: str, pad_id: int,
                        layout: Optional[MicrobatchLayout | BucketedLayout] = None,
                        reward_failed: Optional[np.ndarray] = None,
-                       group_size: Optional[int] = None) -> GlobalBatch | BucketedBatch:
+                       group_size: Optional[int] = None,
+                       untrained: Optional[np.ndarray] = None) -> GlobalBatch | BucketedBatch:
     """arrays: prompt_ids [N, Pw], prompt_len [N], tokens [N, Gw], length [N], behav_logp [N, Gw],
     ref_logp [N, Gw], advantage [N] (as stored in the rollout store), and optionally prox_logp
     [N, Gw] (the proximal policy of decoupled PPO; absent: behav_logp, i.e. on-policy).
 
     reward_failed: [N] bool, with group_size (samples of a group are contiguous): failed samples and
     groups left with < 2 valid samples are not trained on (mask 0, weight 0). None: all are.
+    untrained: [N] bool, samples left out of the loss besides (train.overlong=mask: the truncated
+    ones); they keep their place in their group's statistics, which the advantages already hold.
 
     layout: the run's fixed microbatch layout (plan.microbatch_layout), or its length buckets
     (buckets.bucketed_layout, giving a BucketedBatch); None gives one padded row per sample in store
     order, [N, Pw + Gw].
     """
     trained = _trained(reward_failed, group_size)
+    if untrained is not None:
+        trained = ~np.asarray(untrained, dtype=bool) & (True if trained is None else trained)
     if isinstance(layout, BucketedLayout):
         return _build_bucketed(arrays, mode, pad_id, layout, trained)
     prompt_ids, prompt_len = arrays["prompt_ids"], arrays["prompt_len"].astype(np.int64)

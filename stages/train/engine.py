@@ -45,6 +45,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from stages.config import TRAIN_DEVICES, TRAIN_DTYPES
+from stages.layout import layer_split_error
 from stages.policy import DecoderConfig, build_stage, hf_named_parameters, load_hf_state, stage_hf_names
 from stages.train.batch import BucketedBatch
 from stages.train.faults import (InjectedFault, InputMismatchError, NonFiniteGradientError, StepGuard,
@@ -132,10 +133,16 @@ class TrainSetup:
     """Where each rank computes (train.device, :func:`train_placement`)."""
     dtype: str = "float32"
     """float32, or bfloat16: every forward under autocast (train.dtype)."""
+    layer_split: Optional[tuple[int, ...]] = None
+    """Decoder layers of each of the p * v stages, policy and pipelined reference alike
+    (train.layer_split, resolved: GRPOConfig.layer_split); None: the even split."""
 
     def __post_init__(self) -> None:
         error = schedule_error(self.schedule, self.pipeline_parallel_size, self.num_microbatches,
                                self.virtual_stages, self.model.num_hidden_layers)
+        if error is None and self.layer_split is not None:
+            error = layer_split_error(self.layer_split, self.model.num_hidden_layers,
+                                      self.pipeline_parallel_size * self.virtual_stages)
         if error:
             raise ValueError(error)
         if self.reference_parallel not in ("pipeline", "data"):  # resolved: GRPOConfig.reference_parallel
@@ -156,7 +163,7 @@ class TrainSetup:
 @dataclass(frozen=True)
 class StepResult:
     """What one rank measured in one call: loss metrics (ranks holding the last stage), grad_norm
-    (train_step), bubble_fraction, step_seconds, activation_bytes_per_microbatch_stage{i} and
+    and lr (train_step), bubble_fraction, step_seconds, activation_bytes_per_microbatch_stage{i} and
     peak_inflight_stage{i}, train_passes and train_token_slots_per_real_token (training calls;
     stages/train/buckets.py); its actions; the step window (time.time_ns). A data-parallel
     reference pass records no actions, and its bubble_fraction is the rank's time outside its own
@@ -224,7 +231,8 @@ class TrainRank:
     # -- construction -------------------------------------------------------------------------------
     def _build(self, stage: int, tensors: dict[str, torch.Tensor], frozen: bool = False) -> nn.Module:
         module = build_stage(self.setup.model, stage, self.layout.num_stages,
-                             return_hidden=self.setup.logprob_chunk_tokens is not None)
+                             return_hidden=self.setup.logprob_chunk_tokens is not None,
+                             layer_split=self.setup.layer_split)
         load_hf_state(module, tensors)
         module.to(self.device)
         if frozen:
@@ -369,7 +377,14 @@ class TrainRank:
             if not math.isfinite(norm):
                 self._refuse_non_finite(norm)
             self.optimizer.step()
-        return StepResult(result.rank, {**result.metrics, "grad_norm": norm}, result.actions, result.window_ns)
+        metrics = {**result.metrics, "grad_norm": norm, "lr": self.optimizer.param_groups[0]["lr"]}
+        return StepResult(result.rank, metrics, result.actions, result.window_ns)
+
+    def set_lr(self, lr: float) -> None:
+        """The rate of the next optimiser steps, on every parameter group (the run sets each step's:
+        stages/train/schedule.py ``lr_at``)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def _refuse_non_finite(self, norm: float) -> None:
         """Every rank sees the same all-reduced norm, so every rank is here: gather where the
@@ -667,10 +682,12 @@ class TrainRank:
             dist.destroy_process_group()
 
 
-def rank_tensor_names(model: DecoderConfig, layout: ParallelLayout, pp_rank: int) -> set[str]:
-    """The HF tensor names pipeline rank ``pp_rank`` needs, without building its weights."""
+def rank_tensor_names(model: DecoderConfig, layout: ParallelLayout, pp_rank: int,
+                      layer_split: Optional[tuple[int, ...]] = None) -> set[str]:
+    """The HF tensor names pipeline rank ``pp_rank`` needs under ``layer_split`` (TrainSetup's;
+    None: the even split), without building its weights."""
     names: set[str] = set()
     with torch.device("meta"):
         for s in layout.stages_of(pp_rank):
-            names |= set(stage_hf_names(build_stage(model, s, layout.num_stages)))
+            names |= set(stage_hf_names(build_stage(model, s, layout.num_stages, layer_split=layer_split)))
     return names

@@ -149,6 +149,7 @@ CASES = [
      r"eval.functions\[0\]='no_such_reward'"),
     ("packaged-model-not-fetched", ["model.path=/nowhere/smollm2-135m-instruct"], None,
      r"model.path=/nowhere/smollm2-135m-instruct: no such folder \(`grpoflow model fetch smollm2-135m-instruct"),
+    ("draft-missing", ["rollout.draft_path=/nowhere/draft"], None, r"rollout.draft_path: .*/nowhere/draft: no such folder"),
     ("model-no-config", "hf", lambda run, hf: os.remove(hf / "config.json"), r"no config.json"),
     ("model-config-not-json", "hf", lambda run, hf: (hf / "config.json").write_text("{oops"), r"config.json is not valid JSON"),
     ("model-config-list", "hf", lambda run, hf: (hf / "config.json").write_text("[1, 2]"), r"config.json is not valid JSON: not a JSON object"),
@@ -243,6 +244,22 @@ def test_a_second_driver_of_the_run_is_refused_before_work(env):
             run(cfg, progress=False)
     assert "\n" not in str(info.value)
     assert _tree_hash(run_dir) == before
+
+
+def test_iterations_past_the_data_are_refused_before_work(env):
+    """dataset.epochs bounds the steps a file gives: a run asking for more is refused in one line
+    before anything is written (it would fail at the first step past the data)."""
+    runs, run_dir, hf = env
+    data = hf / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1)}) + "\n" for a in range(10, 16)))
+    before = _tree_hash(run_dir)
+    dataset = [f"model.path={hf}", "dataset.kind=jsonl", f"dataset.path={data}", "dataset.epochs=1",
+               "dataset.max_prompt_tokens=7", "task.prompts_per_step=2", "train.micro_batch_size=8", "run_name=data"]
+    cfg = load_config("configs/tiny.yaml", [*BASE, f"runs_dir={runs}", *dataset, "iterations=4"])
+    with pytest.raises(ConfigError, match=r"iterations=4 is past the 3 steps .*data.jsonl gives at dataset.epochs=1 "
+                                          r"and task.prompts_per_step=2") as info:
+        run(cfg, progress=False)
+    assert "\n" not in str(info.value) and _tree_hash(run_dir) == before and not (runs / "data").exists()
 
 
 def test_catalogue_size():

@@ -23,7 +23,7 @@ def test_tiny_config_loads_with_overrides():
     ("train.pipeline_model_parallel_size=9", "train.pipeline_model_parallel_size"),
     ("train.schedule=zigzag", "train.schedule"),
     ("train.max_tokens_per_microbatch=12", "train.max_tokens_per_microbatch"),
-    ("train.pack_row_tokens=26", "train.pack_row_tokens"),
+    ("train.pack_row_tokens=12", "train.pack_row_tokens"),  # below S = 13 (packing auto: on with it)
     ("train.logprob_chunk_tokens=0", "train.logprob_chunk_tokens"),
     ("rollout.group_size=1", "rollout.group_size"),
     ("advantage.estimator=ppo", "advantage.estimator"),
@@ -39,6 +39,8 @@ def test_tiny_config_loads_with_overrides():
     ("cluster.listen=::1", "cluster.listen"),
     ("train.lr=inf", "train.lr"),
     ("train.lr=0", "train.lr"),
+    ("train.lr_schedule=step", "train.lr_schedule"),
+    ("train.lr_warmup_steps=-1", "train.lr_warmup_steps"),
     ("train.kl_beta=-0.1", "train.kl_beta"),
     ("train.max_grad_norm=nan", "train.max_grad_norm"),
     ("train.timeout_s=inf", "train.timeout_s"),

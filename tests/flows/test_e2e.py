@@ -46,6 +46,10 @@ def test_summary_json(finished_run):
             assert 0 <= m["train_handoff_seconds"] < m["iteration_seconds"]
         else:  # the train task runs the pass: no task before it to wait from
             assert "train_handoff_seconds" not in m
+        # Model FLOPs of each phase from the stored lengths (stages/perf), over the host's matmul rate.
+        assert m["model_flops_train"] == pytest.approx(3 * m["model_flops_reference"]) and m["model_flops_rollout"] > 0
+        for key in ("mfu", "mfu_rollout", "mfu_train"):
+            assert 0 < m[key] < 1, (key, m[key])
 
 
 def test_rollout_store_holds_complete_group_aligned_steps(finished_run):

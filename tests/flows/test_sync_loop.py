@@ -3,7 +3,8 @@ flows.iteration.run_iteration called step after step over the same config gives 
 and the same policy weights, bit for bit. Both use cluster.weight_sync = memory, so the engine
 generates from the weights it received, and the test checks that it did: each received version's
 content hash is that of the published folder's tensors. A run stopped after 2 iterations and
-resumed to 3 gives the same arrays and weights too."""
+resumed to 3 gives the same arrays and weights too, under a warm-up and cosine learning-rate
+schedule whose per-step rates (the metric ``lr``) are ``lr_at``'s."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from flows.config import load_config
 from flows.iteration import run_iteration
 from flows.loop import _init_ranks, run, run_folder
 from stages.sync import state_digest
+from stages.train.schedule import lr_at
 from storage.policies import load_model_folder
 
 pytestmark = pytest.mark.slow
@@ -34,7 +36,10 @@ def _config(runs_dir: Path):
     return load_config("configs/tiny.yaml", [
         f"iterations={ITERATIONS}", "run_name=sync", f"runs_dir={runs_dir}", "warmup.steps=100",
         "task.prompts_per_step=8", "train.micro_batch_size=16", "rollout.max_staleness=0",
-        "cluster.weight_sync=memory", f"rollout.num_engines={ENGINES}", "cluster.placement=colocated"])
+        "cluster.weight_sync=memory", f"rollout.num_engines={ENGINES}", "cluster.placement=colocated",
+        # A rate that differs at every step (lr / 2, lr, 0.55 lr): a resume at the wrong one differs.
+        # lr_decay_steps is set because the resumed run first runs with iterations=2.
+        "train.lr_schedule=cosine", "train.lr_warmup_steps=1", "train.lr_decay_steps=2", "train.lr_min_ratio=0.1"])
 
 
 def _step_by_step(client, cfg, pools) -> None:
@@ -104,6 +109,15 @@ def test_a_resumed_memory_sync_run_equals_the_uninterrupted_one(two_paths):
     # The resumed process built its ranks from v2 and opened a new channel: step 2 read v2 from disk.
     loaded = assert_loaded_from(resumed_dir, 2, "disk", ENGINES)
     assert (resumed.metrics[2]["weight_loads_from_memory"], resumed.metrics[2]["weight_loads_from_disk"]) == (0, len(loaded))
+
+
+def test_each_step_trained_at_the_scheduled_rate(two_paths):
+    loop_dir, summary, _, _, resumed = two_paths
+    train = _config(loop_dir).train
+    expected = [lr_at(train, k, ITERATIONS) for k in range(ITERATIONS)]
+    assert expected == pytest.approx([train.lr / 2, train.lr, 0.55 * train.lr])
+    assert [m["lr"] for m in summary.metrics] == expected
+    assert [m["lr"] for m in resumed.metrics] == expected  # steps 0-1 from the first process, 2 from the resume
 
 
 def test_the_engine_generated_from_the_weights_it_received(two_paths):

@@ -30,7 +30,7 @@ _SMALL: dict[str, Any] = {
 }
 _RUN_TRAIN = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
               "virtual_pipeline_model_parallel_size", "micro_batch_size", "schedule", "clip_eps_low", "clip_eps_high",
-              "reference_parallel")
+              "reference_parallel", "layer_split")
 _RUN_WORKLOAD = {"prompts_per_step": ("task", "prompts_per_step"), "group_size": ("rollout", "group_size"),
                  "gen_len": ("rollout", "max_new_tokens")}
 

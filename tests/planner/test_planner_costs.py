@@ -14,10 +14,10 @@ from planner_factories import make_plan_config
 
 
 def test_forward_duration_is_flops_over_tp_peak_mfu_plus_tp_collectives():
-    cfg = make_plan_config(cluster={"collective_latency_s": 0.0})
+    cfg = make_plan_config(cluster={"collective_latency_s": 0.0}, train={"layer_split": [8, 8, 8, 8]})
     m, c, t = cfg.model_shape, cfg.cluster, cfg.train
     d = estimate_action_durations(m, c, t, cfg.seq_len)
-    tokens, layers = cfg.seq_len, 8  # 32 layers / PP 4
+    tokens, layers = cfg.seq_len, 8  # 32 layers / PP 4, split evenly
     layer_matmul = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336
     flops = 2 * layer_matmul * tokens * layers + 4 * 4096 * cfg.seq_len * 0.5 * tokens * layers
     collective = 2 * (2 - 1) / 2 * tokens * 4096 * 2 / c.intra_node_bandwidth_bytes_per_s
@@ -27,8 +27,9 @@ def test_forward_duration_is_flops_over_tp_peak_mfu_plus_tp_collectives():
 
 
 def test_full_recompute_adds_a_forward_to_the_input_backward():
-    plain = make_plan_config()
-    full = make_plan_config(train={"recompute": "full"})
+    even = {"layer_split": [8, 8, 8, 8]}  # auto would move layers to the head's stage under recompute
+    plain = make_plan_config(train=even)
+    full = make_plan_config(train={"recompute": "full", **even})
     a = estimate_action_durations(plain.model_shape, plain.cluster, plain.train, plain.seq_len)
     b = estimate_action_durations(full.model_shape, full.cluster, full.train, full.seq_len)
     assert b.duration(1, "I") == pytest.approx(a.duration(1, "I") + a.duration(1, "F"))
@@ -45,7 +46,7 @@ def test_pipeline_hops_cross_nodes_once_the_pipeline_leaves_the_node(gpus, tp, d
 
 
 def test_training_memory_stack_by_hand():
-    cfg = make_plan_config()
+    cfg = make_plan_config(train={"layer_split": [8, 8, 8, 8]})
     ranks = estimate_training_memory(cfg)
     params0 = estimate_stage_parameters(cfg.model_shape, 8, has_embedding=True, has_head=False, tensor_parallel_size=2)
     assert ranks[0].weights_bytes == 2 * params0 and ranks[0].grads_bytes == 4 * params0

@@ -99,7 +99,7 @@ def test_planner_stage_layout_is_what_each_runtime_rank_builds(schedule, p, v, l
                                                         "num_key_value_heads", "head_dim", "tie_word_embeddings")})
     planned = estimate_stage_layout(shape, TrainConfig(pipeline_model_parallel_size=p, tensor_model_parallel_size=1,
                                                        data_parallel_size=1, virtual_pipeline_model_parallel_size=v,
-                                                       schedule=schedule))
+                                                       schedule=schedule), seq_len=8)
     layout = ParallelLayout(pp=p, virtual=v, schedule=schedule)
     assert planned.ranks == tuple(layout.stage_rank(s) for s in range(layout.num_stages))
     for rank in range(p):

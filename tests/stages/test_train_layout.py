@@ -81,14 +81,25 @@ def test_layers_must_cover_every_stage():
     (["train.schedule=dualpipev", "train.virtual_pipeline_model_parallel_size=2", "train.micro_batch_size=64"],
      "train.micro_batch_size"),
     (["train.virtual_pipeline_model_parallel_size=0"], "train.virtual_pipeline_model_parallel_size=0"),
-    (["train.tensor_model_parallel_size=2"], "train.reference_parallel=pipeline"),  # the tiny config's data
-    (["train.reference_parallel=replicated"], "train.reference_parallel='replicated' is not one of pipeline, data"),
+    (["train.tensor_model_parallel_size=2", "train.reference_parallel=data"], "train.reference_parallel=pipeline"),
+    (["train.reference_parallel=replicated"],
+     "train.reference_parallel='replicated' is not one of auto, pipeline, data"),
     (["train.keep_optimizer_state=none"], "train.keep_optimizer_state='none' is not one of latest, all"),
 ])
 def test_config_rejects_a_layout_in_one_line(overrides, key):
     with pytest.raises(ConfigError) as info:
         load_config("configs/tiny.yaml", [*SMALL, *overrides])
     assert key in str(info.value) and "\n" not in str(info.value)
+
+
+def test_reference_parallel_auto_follows_the_tensor_split():
+    """auto holds the whole (small) reference on every rank at TP 1, and pipelines it at TP > 1,
+    so pp 2 x tp 2 x dp 2 needs no extra flag."""
+    assert load_config("configs/tiny.yaml", SMALL).reference_parallel == "data"
+    layout = ["train.tensor_model_parallel_size=2", "train.data_parallel_size=2"]
+    assert load_config("configs/tiny.yaml", [*SMALL, *layout]).reference_parallel == "pipeline"
+    explicit = ["train.reference_parallel=pipeline"]
+    assert load_config("configs/tiny.yaml", [*SMALL, *explicit]).reference_parallel == "pipeline"
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

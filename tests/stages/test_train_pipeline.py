@@ -71,10 +71,11 @@ def worst_diff(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) 
 
 
 def run_and_check(schedule: str, virtual: int = 1, dp: int = 1, tp: int = 1, tied: bool = False,
-                  chunk_tokens: int | None = None):
+                  chunk_tokens: int | None = None, layer_split: tuple[int, ...] | None = None):
     """Run CALLS on a PP=2 layout and check gradients, log-probs and the clipped step; returns the
-    outputs and the number of microbatches per rank."""
-    cfg = make_decoder_config(tie_word_embeddings=tied)
+    outputs and the number of microbatches per rank. ``layer_split``: layers per stage (their sum is
+    the model's; None: 4 layers split evenly)."""
+    cfg = make_decoder_config(tie_word_embeddings=tied, num_hidden_layers=sum(layer_split) if layer_split else 4)
     model = make_model(cfg)
     batches = make_batches(model)
     expected = [full_batch_grads(model, b) for b in batches[:_PACKED + 1]]
@@ -82,7 +83,8 @@ def run_and_check(schedule: str, virtual: int = 1, dp: int = 1, tp: int = 1, tie
     m = 4 // dp
     setup = TrainSetup(model=cfg, pipeline_parallel_size=2, num_microbatches=m, schedule=schedule,
                        virtual_stages=virtual, data_parallel_size=dp, tensor_parallel_size=tp, loss=LOSS,
-                       max_grad_norm=norm / 2, logprob_chunk_tokens=chunk_tokens, timeout_s=60)
+                       max_grad_norm=norm / 2, logprob_chunk_tokens=chunk_tokens, timeout_s=60,
+                       layer_split=layer_split)
     outputs = run_local_pipeline(setup, hf_state(model), batches, calls=CALLS)
     tol = 1e-5 if tp > 1 else 1e-6
     for call, want in enumerate(expected):
@@ -175,6 +177,16 @@ def test_3d_layout_gradient_equals_single_process(schedule, virtual, dp, tp, tie
     assert len(outputs) == 2 * dp * tp
     losses = [out.steps[0].metrics["loss"] for out in outputs if "loss" in out.steps[0].metrics]
     assert len(losses) == dp * tp and max(losses) - min(losses) < 1e-6  # reduced over DP: the global loss
+
+
+@pytest.mark.parametrize("schedule, virtual, tied, layer_split", [
+    ("1f1b", 1, True, (3, 1)),  # the head's stage lighter, as train.layer_split=auto makes it
+    ("zbv", 2, False, (1, 2, 2, 1)),  # rank 0 holds stages 0 and 3 (embedding and head)
+])
+def test_an_uneven_layer_split_computes_the_same_gradient(schedule, virtual, tied, layer_split):
+    outputs, m = run_and_check(schedule, virtual, tied=tied, layer_split=layer_split)
+    stash = {k for out in outputs for k in out.steps[0].metrics if k.startswith("activation_bytes")}
+    assert stash == {f"activation_bytes_per_microbatch_stage{s}" for s in range(len(layer_split))}
 
 
 def test_microbatch_losses_sum_to_full_batch_loss():

@@ -1,0 +1,59 @@
+"""What ``auto`` picks for the training layout: train.length_buckets, train.packing and
+train.logprob_chunk_tokens, as pure functions of a run's shapes.
+
+Each rule follows a measurement in docs/performance.md ("Defaults and what auto picks"):
+
+- Length buckets pay when completions can be much shorter than max_new_tokens: on the bench shape
+  (S = 7 + 64 = 71) packed buckets [16, 32, 71] halved the step (6.6 s against 13.6 s, 1.12 slots
+  per real token against 2.98), and on SmolLM2 (S = 144) the step took 0.71-0.80x; on the tiny
+  config (S = 13) buckets changed nothing (1.27 slots per real token either way).
+- Packing pays only with buckets: with the single worst-case layout packed and padded rows hold
+  the same slots and dense-mask attention over longer rows costs more (1.4-3.3x on a long tail);
+  with buckets packed passes ran ~0.55x the time of padded ones.
+- Chunked log-probs pay on a large vocabulary: only completion positions are projected, and the
+  [tokens x vocab] logits never exist. At V >= 8,192 the chunked loss took 0.3-0.9x the full one's
+  time with up to 3/4 of the positions scored; at the tiny vocabulary (15) it is 1.2-1.5x slower,
+  by under a millisecond.
+
+No torch: flows/schema.py resolves these when it builds the layout.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from stages.train.buckets import power_of_two_widths
+
+__all__ = ["MIN_BUCKET_WIDTH", "CHUNKED_LOGPROB_MIN_VOCAB", "LOGPROB_CHUNK_TOKENS", "auto_length_buckets",
+           "auto_packing", "auto_logprob_chunk_tokens"]
+
+MIN_BUCKET_WIDTH = 16  # narrowest auto bucket: the bench's tuned [16, 32, 71]; 8 holds a 7-token prompt + 1
+CHUNKED_LOGPROB_MIN_VOCAB = 8192  # chunking won at every scored share up to 3/4 from here (module docstring)
+LOGPROB_CHUNK_TOKENS = 256  # 0.36x the full path's peak at 4,096 tokens against 0.73x for 1,024, same time
+
+
+def auto_length_buckets(prompt_width: int, max_new_tokens: int,
+                        smallest: int = MIN_BUCKET_WIDTH) -> Optional[tuple[int, ...]]:
+    """train.length_buckets=auto: the powers of two from ``smallest`` up to S / 2, then
+    S = prompt_width + max_new_tokens; None (one pass shaped for the worst case) when S < 2 x
+    smallest. Each bucket is at most half as wide as the next, so a group moved into it saves at
+    least half its row (a width close to S would save little and cost a pass of its own).
+
+    tiny (7 + 6 = 13): None; bench (7 + 64 = 71): (16, 32, 71); SmolLM2 (96 + 48 = 144):
+    (16, 32, 64, 144); buckets the step's groups do not reach cost nothing (their schedules are
+    built at first use)."""
+    S = prompt_width + max_new_tokens
+    widths = tuple(w for w in power_of_two_widths(S, smallest)[:-1] if 2 * w <= S)
+    return (*widths, S) if widths else None
+
+
+def auto_packing(length_buckets: Optional[Sequence[int]], pack_row_tokens: Optional[int]) -> bool:
+    """train.packing=auto: on with length buckets (packed rows of each bucket's width) or when
+    train.pack_row_tokens asks for packed rows; off for the single worst-case layout."""
+    return length_buckets is not None or pack_row_tokens is not None
+
+
+def auto_logprob_chunk_tokens(vocab_size: int) -> Optional[int]:
+    """train.logprob_chunk_tokens=auto: :data:`LOGPROB_CHUNK_TOKENS` at a vocabulary of at least
+    :data:`CHUNKED_LOGPROB_MIN_VOCAB` tokens, else None (full logits)."""
+    return LOGPROB_CHUNK_TOKENS if vocab_size >= CHUNKED_LOGPROB_MIN_VOCAB else None

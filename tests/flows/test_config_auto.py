@@ -1,0 +1,71 @@
+"""The train section's auto values resolved by the run config (GRPOConfig.length_buckets,
+.packing, .logprob_chunk_tokens), explicit values winning over auto, and the shipped configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flows.config import load_config
+from stages.train.buckets import BucketedLayout
+from stages.train.plan import MicrobatchLayout
+
+# benchmarks/iteration.py's bench scenario without its layout flags: S = 7 + 64 = 71, B = 8 x 71.
+BENCH = ["model.hidden_size=512", "model.intermediate_size=1376", "model.num_hidden_layers=8",
+         "model.num_attention_heads=8", "model.num_key_value_heads=4", "task.prompts_per_step=16",
+         "rollout.max_new_tokens=64", "warmup.steps=0", "train.micro_batch_size=8"]
+OLD_DEFAULTS = ["train.length_buckets=null", "train.packing=false", "train.logprob_chunk_tokens=null"]
+
+
+def test_tiny_resolves_to_the_old_defaults():
+    cfg = load_config("configs/tiny.yaml")
+    assert (cfg.train.length_buckets, cfg.train.packing, cfg.train.logprob_chunk_tokens) == ("auto",) * 3
+    assert (cfg.length_buckets, cfg.packing, cfg.logprob_chunk_tokens) == (None, False, None)
+    old = load_config("configs/tiny.yaml", OLD_DEFAULTS)
+    assert isinstance(cfg.microbatch_layout, MicrobatchLayout) and cfg.microbatch_layout == old.microbatch_layout
+    assert cfg.num_microbatches == old.num_microbatches == 8
+
+
+def test_bench_resolves_to_the_tuned_flags():
+    cfg = load_config("configs/tiny.yaml", BENCH)
+    assert (cfg.length_buckets, cfg.packing, cfg.logprob_chunk_tokens) == ((16, 32, 71), True, None)
+    tuned = load_config("configs/tiny.yaml", [*BENCH, "train.length_buckets=[16,32,71]", "train.packing=true"])
+    assert isinstance(cfg.microbatch_layout, BucketedLayout) and cfg.microbatch_layout == tuned.microbatch_layout
+    assert [(b.rows, b.seq_len, b.packing) for b in cfg.microbatch_layout.buckets] == [
+        (35, 16, True), (17, 32, True), (8, 71, True)]  # B = 568 slots: 568 // 16, 568 // 32, 568 // 71
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["train.length_buckets=null"], (None, False)),  # one pass for the worst case, padded
+    (["train.packing=false"], ((16, 32, 71), False)),  # padded buckets
+    (["train.length_buckets=null", "train.packing=true"], (None, True)),  # the packed worst-case layout
+    (["train.length_buckets=[10,40]"], ((10, 40), True)),  # explicit widths, packed by auto
+    (["train.pack_row_tokens=142"], (None, True)),  # packed rows of 142 instead of buckets
+])
+def test_explicit_layout_values_win_over_auto(overrides, expected):
+    cfg = load_config("configs/tiny.yaml", [*BENCH, *overrides])
+    assert (cfg.length_buckets, cfg.packing) == expected
+    assert cfg.microbatch_layout.packing is expected[1]
+
+
+def test_chunk_size_follows_the_vocabulary_unless_set():
+    # The built-in model's vocabulary is the addition tokenizer's (15) unless model.vocab_size is set.
+    assert load_config("configs/tiny.yaml").model_shape.vocab_size == 15
+    assert load_config("configs/tiny.yaml", ["model.vocab_size=49152"]).logprob_chunk_tokens == 256
+    assert load_config("configs/tiny.yaml", ["model.vocab_size=49152",
+                                             "train.logprob_chunk_tokens=null"]).logprob_chunk_tokens is None
+    assert load_config("configs/tiny.yaml", ["train.logprob_chunk_tokens=64"]).logprob_chunk_tokens == 64
+
+
+def test_seed_70b_config_loads_with_auto_buckets():
+    cfg = load_config("configs/seed-70b.yaml")  # S = 7 + 4096 (the built-in addition prompt)
+    assert cfg.length_buckets == (16, 32, 64, 128, 256, 512, 1024, 2048, 4103) and cfg.packing
+    assert cfg.logprob_chunk_tokens == 256  # Llama-3's 128,256 tokens
+
+
+@pytest.mark.skipif(not Path("models/smollm2-135m-instruct/config.json").is_file(),
+                    reason="models/smollm2-135m-instruct absent (make model)")
+def test_smollm2_config_loads_with_its_chunk_size_and_auto_buckets():
+    cfg = load_config("configs/smollm2-arithmetic.yaml")  # S = 96 + 48, vocabulary 49,152
+    assert (cfg.length_buckets, cfg.packing, cfg.logprob_chunk_tokens) == ((16, 32, 64, 144), True, 256)

@@ -19,6 +19,9 @@ and after them the window part by part, read from each run's folder (benchmarks/
 Scenarios:
 
 - tiny: configs/tiny.yaml as shipped (64 prompts x G 8, 6 new tokens, PP 2).
+- smollm2: configs/smollm2-arithmetic.yaml as shipped (SmolLM2-135M-Instruct, 8 prompts x G 8, up
+  to 48 new tokens, PP 2, kl_beta 0: no reference pass in either), without its evaluation; needs
+  `make model`. The loop uses the same chunked log-prob loss as the run.
 - bench: hidden 512, 8 layers, 16 prompts x G 8, up to 64 new tokens, PP 2, length buckets
   [16, 32, 71], packed (train.length_buckets=auto and train.packing=auto pick them at S = 71),
   two rollout engines of one thread each (faster than one engine on two threads here:
@@ -31,6 +34,7 @@ every core.
 
     python benchmarks/iteration.py --scenario tiny --reps 3 --iterations 4
     python benchmarks/iteration.py --scenario bench --reps 2 --iterations 3
+    python benchmarks/iteration.py --scenario smollm2 --reps 1 --iterations 3
 
 On one GPU (benchmarks/gpu.sh): the loop there too, both in float32, grpoflow with one training rank:
 
@@ -57,13 +61,14 @@ from flows.loop import run, run_folder
 from flows.schema import GRPOConfig
 from flows.tasks import phase_threads
 from stages.advantage import normalize_advantages
+from stages.perf import step_model_flops
 from stages.policy import DecoderConfig, build_stage, load_hf_state
 from stages.policy.tokenizer import TextCodec
 from stages.rollout.rows import generate_rows
 from stages.steps import reward_statistics, score_rows, train_setup
 from stages.data import open_prompt_source
 from stages.train.batch import BucketedBatch, build_global_batch
-from stages.train.loss import TARGET_FIELDS, grpo_microbatch_loss, token_logp
+from stages.train.loss import TARGET_FIELDS, grpo_chunked_loss, grpo_microbatch_loss, token_logp
 from storage.policies import load_model_folder
 
 from critical_path import PARTS, medians, run_parts
@@ -78,9 +83,15 @@ SCENARIOS: dict[str, list[str]] = {
 }
 
 
+# Scenarios on a config other than configs/tiny.yaml.
+_BASE_CONFIGS = {"smollm2": "configs/smollm2-arithmetic.yaml"}
+SCENARIOS["smollm2"] = ["eval.path=null"]  # the config as shipped, without its held-out evaluation
+
+
 def scenario_config(name: str, runs_dir: str, run_name: str, iterations: int, extra: list[str]) -> GRPOConfig:
-    return load_config("configs/tiny.yaml", [*SCENARIOS[name], f"iterations={iterations}", f"run_name={run_name}",
-                                             f"runs_dir={runs_dir}", *extra])
+    return load_config(_BASE_CONFIGS.get(name, "configs/tiny.yaml"),
+                       [*SCENARIOS[name], f"iterations={iterations}", f"run_name={run_name}", f"runs_dir={runs_dir}",
+                        *extra])
 
 
 def grpoflow_iterations(cfg: GRPOConfig) -> list[dict[str, float]]:
@@ -117,7 +128,10 @@ def baseline_iterations(cfg: GRPOConfig, policy_path: str, device: str = "cpu") 
     torch.set_num_threads(phase_threads(sync_cfg, "rollout"))
     hf_config, tokenizer_json, tensors = load_model_folder(policy_path)
     model_cfg = DecoderConfig.from_hf(hf_config)
-    policy, reference = build_stage(model_cfg), build_stage(model_cfg)
+    # The same loss path as the run's: with chunked log-probs the models return hidden states and
+    # the loss applies the head chunk by chunk (stages/train/loss.py).
+    chunk = cfg.logprob_chunk_tokens
+    policy, reference = build_stage(model_cfg, return_hidden=chunk is not None), build_stage(model_cfg)
     load_hf_state(policy, tensors)
     load_hf_state(reference, tensors)
     reference.requires_grad_(False).eval()
@@ -145,20 +159,25 @@ def baseline_iterations(cfg: GRPOConfig, policy_path: str, device: str = "cpu") 
         a["advantage"] = normalize_advantages(scored.reward, G, cfg.advantage)
         a["ref_logp"] = np.zeros_like(a["behav_logp"])
         t2 = time.perf_counter()
-        batch = build_global_batch(a, t.loss_aggregation, pad, layout)
-        with torch.no_grad():
-            ref = []
-            for p in _passes(batch):
-                ids, kwargs, target = _to(p, dev)
-                ref.append(token_logp(reference(ids, **kwargs), target[..., _NEXT].long(), loss_cfg.temperature).cpu())
-        a["ref_logp"] = batch.completion_values(ref if isinstance(batch, BucketedBatch) else ref[0])
+        if t.uses_reference:  # as the run: no reference pass when the loss does not read it (kl_beta 0)
+            batch = build_global_batch(a, t.loss_aggregation, pad, layout)
+            with torch.no_grad():
+                ref = []
+                for p in _passes(batch):
+                    ids, kwargs, target = _to(p, dev)
+                    ref.append(token_logp(reference(ids, **kwargs), target[..., _NEXT].long(),
+                                          loss_cfg.temperature).cpu())
+            a["ref_logp"] = batch.completion_values(ref if isinstance(batch, BucketedBatch) else ref[0])
         t3 = time.perf_counter()
         batch = build_global_batch(a, t.loss_aggregation, pad, layout)
         policy.train()
         optimizer.zero_grad(set_to_none=True)
         for p in _passes(batch):  # every loss weight is global: the passes' gradients add up exactly
             ids, kwargs, target = _to(p, dev)
-            loss, _ = grpo_microbatch_loss(policy(ids, **kwargs), target, loss_cfg)
+            if chunk is None:
+                loss, _ = grpo_microbatch_loss(policy(ids, **kwargs), target, loss_cfg)
+            else:
+                loss, _ = grpo_chunked_loss(policy(ids, **kwargs), target, policy.lm_head, loss_cfg, chunk)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), t.max_grad_norm)
         optimizer.step()
@@ -169,6 +188,8 @@ def baseline_iterations(cfg: GRPOConfig, policy_path: str, device: str = "cpu") 
                     "reference_seconds": t3 - t2, "train_seconds": t4 - t3,
                     "train_token_slots_per_real_token": float(batch.slots_per_real_token),
                     "train_passes": float(len(_passes(batch))),
+                    "model_flops": sum(step_model_flops(model_cfg, a["prompt_len"], a["length"], group_size=G,
+                                                        reference=t.uses_reference).values()),
                     **reward_statistics(scored.reward, a["length"], G)})
     return out
 
@@ -182,10 +203,10 @@ _FLOW_KEYS = ("step_window_seconds", "iteration_seconds", "rollout_seconds", "ro
               "reference_seconds", "reference_compute_seconds", "advantage_seconds", "train_seconds",
               "train_step_seconds", "publish_seconds", "host_cpu_seconds",
               "train_token_slots_per_real_token", "train_passes",
-              "completion_length_mean")
+              "completion_length_mean", "mfu", "mfu_rollout", "mfu_train", "matmul_flops_per_s")
 _BASE_KEYS = ("iteration_seconds", "rollout_seconds", "rollout_compute_seconds", "reward_advantage_seconds",
               "reference_seconds", "train_seconds", "train_token_slots_per_real_token", "train_passes",
-              "completion_length_mean")
+              "completion_length_mean", "model_flops")
 
 
 def main() -> None:
@@ -278,6 +299,11 @@ def _report(scenario: str, reps: list[dict], overlapping: bool = False) -> None:
     else:
         print(f"grpoflow outside rollout/reference/train compute: {1 - compute / f['step_window_seconds']:.1%}")
     print("baseline: " + ", ".join(f"{k} {v:.3f}" for k, v in b.items()))
+    # MFU: the run's (its step metrics, over its iteration seconds) and the loop's, both against the
+    # matmul rate the run measured on this host with every core (stages/perf).
+    print(f"MFU (model FLOPs / (seconds x {f['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s)): grpoflow {f['mfu']:.1%} "
+          f"of its iteration, rollout {f['mfu_rollout']:.1%}, train {f['mfu_train']:.1%}; baseline "
+          f"{b['model_flops'] / b['iteration_seconds'] / f['matmul_flops_per_s']:.1%}")
     path = medians(dict(enumerate(r["flow_path"] for r in reps if r.get("flow_path"))))
     if path:  # where grpoflow's window goes, median over the reps of each rep's median
         print("grpoflow step window by part (ms; benchmarks/critical_path.py, indented: within the part above):")

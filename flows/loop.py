@@ -604,15 +604,16 @@ def format_summary(summary: RunSummary) -> str:
     lines = [f"run {summary.run_name}: {summary.iterations} iterations in {summary.wall_seconds:.1f} s "
              f"(mlflow run {summary.mlflow_run_id})"]
     header = f"{'step':>4} {'reward':>7} {'loss':>8} {'kl':>7} {'clip':>6} {'bubble':>6} {'mfu':>5} " + \
-        " ".join(f"{s[:7]:>7}" for s in STAGES)
+        " ".join(f"{s:>9}" for s in STAGES)  # full names: "reference" and "advantage" are the widest
     lines.append(header)
     for m in summary.metrics:
-        lines.append(f"{m['step']:>4} {m.get('reward_mean', float('nan')):>7.3f} {m.get('loss', 0):>8.4f} "
-                     f"{m['kl'] if 'kl' in m else float('nan'):>7.4f} {m.get('clip_fraction', 0):>6.3f} {m.get('bubble_fraction', 0):>6.3f} "
+        kl = f"{m['kl']:.4f}" if "kl" in m else "-"  # no reference pass: no kl
+        lines.append(f"{m['step']:>4} {m.get('reward_mean', float('nan')):>7.3f} {m.get('loss', 0):>8.4f} {kl:>7} "
+                     f"{m.get('clip_fraction', 0):>6.3f} {m.get('bubble_fraction', 0):>6.3f} "
                      f"{m.get('mfu', float('nan')):>5.2f} "
-                     + " ".join(f"{m[f'{s}_seconds']:>7.2f}" if f"{s}_seconds" in m else f"{'-':>7}"
+                     + " ".join(f"{m[f'{s}_seconds']:>9.2f}" if f"{s}_seconds" in m else f"{'-':>9}"
                                 for s in STAGES))
-    totals = " ".join(f"{sum(summary.stage_seconds.get(s, [0.0])):>7.2f}" for s in STAGES)
+    totals = " ".join(f"{sum(summary.stage_seconds.get(s, [0.0])):>9.2f}" for s in STAGES)
     lines.append(f"{'all':>4} {'':>7} {'':>8} {'':>7} {'':>6} {'':>6} {'':>5} {totals}")
     measured = [m for m in summary.metrics if "mfu" in m]
     if measured:

@@ -148,6 +148,7 @@ def baseline_iterations(cfg: GRPOConfig, policy_path: str, device: str = "cpu") 
     for step in range(cfg.iterations):
         t0 = time.perf_counter()
         policy.eval()
+        policy.return_hidden = False  # the engine samples from logits
         records = source.records(step)
         rows = generate_rows(policy, codec, [r.prompt_ids for r in records], cfg.rollout, seed=cfg.seed, step=step,
                              prompt_start=0, prompts_per_step=cfg.task.prompts_per_step, prompt_width=cfg.prompt_width,
@@ -171,6 +172,7 @@ def baseline_iterations(cfg: GRPOConfig, policy_path: str, device: str = "cpu") 
         t3 = time.perf_counter()
         batch = build_global_batch(a, t.loss_aggregation, pad, layout)
         policy.train()
+        policy.return_hidden = chunk is not None  # the chunked loss applies the head itself
         optimizer.zero_grad(set_to_none=True)
         for p in _passes(batch):  # every loss weight is global: the passes' gradients add up exactly
             ids, kwargs, target = _to(p, dev)
@@ -289,7 +291,8 @@ def _report(scenario: str, reps: list[dict], overlapping: bool = False) -> None:
     med = {w: {k: statistics.median(r[w][k] for r in reps) for k in reps[0][w]} for w in ("flow", "base")}
     ratios = [r["ratio"]["flow_over_base"] for r in reps]
     f, b = med["flow"], med["base"]
-    compute = f["rollout_compute_seconds"] + f["reference_compute_seconds"] + f["train_step_seconds"]
+    compute = sum(0.0 if np.isnan(f[k]) else f[k]  # nan: no reference pass (kl_beta 0)
+                  for k in ("rollout_compute_seconds", "reference_compute_seconds", "train_step_seconds"))
     print(f"\n{scenario}: medians over {len(reps)} reps")
     print(f"grpoflow / baseline iteration seconds: {statistics.median(ratios):.2f} "
           f"(per rep {', '.join(f'{x:.2f}' for x in ratios)})")

@@ -175,8 +175,14 @@ def test_chunked_loss_equals_full_logits_loss_off_policy(proximal):
                           dual_clip=True)
     cfg = LossConfig(0.2, 0.28, kl_beta=0.1, off_policy=off)
     full, full_stats = grpo_microbatch_loss(head(hidden), target, cfg)
+    assert_chunked_equals_full(hidden, target, head, cfg, full, full_stats, (1, 4))
+
+
+def assert_chunked_equals_full(hidden, target, head, cfg, full, full_stats, chunks) -> None:
+    """grpo_chunked_loss at each chunk size gives ``full`` (the logits path's loss of the same
+    microbatch), its gradients w.r.t. hidden and the head's weight, and its stats."""
     g_full = torch.autograd.grad(full, (hidden, head.weight))
-    for chunk in (1, 4):
+    for chunk in chunks:
         chunked, stats = grpo_chunked_loss(hidden, target, head, cfg, chunk)
         for a, b in zip(torch.autograd.grad(chunked, (hidden, head.weight)), g_full):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from flows.config import load_config
+from test_loss import assert_chunked_equals_full
 from stages.config import ConfigError
 from stages.policy import DecoderConfig
 from stages.steps import train_setup
@@ -200,14 +201,7 @@ def test_chunked_loss_equals_full_logits_loss(off):
     cfg = LossConfig(0.2, 0.28, kl_beta=0.1, off_policy=off, ratio_level="sequence")
     full, full_stats = grpo_microbatch_loss(head(hidden), target, cfg)
     assert full_stats.clip_high_sum == 4 and full_stats.clip_low_sum == 3 and full_stats.dual_clip_sum == 3
-    g_full = torch.autograd.grad(full, (hidden, head.weight))
-    for chunk in (1, 2, 4, 6, 15, 64):
-        chunked, stats = grpo_chunked_loss(hidden, target, head, cfg, chunk)
-        for got, want in zip(torch.autograd.grad(chunked, (hidden, head.weight)), g_full):
-            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
-        torch.testing.assert_close(chunked, full, atol=1e-6, rtol=1e-6)
-        for got, want in zip(stats.sums() + [stats.is_weight_max], full_stats.sums() + [full_stats.is_weight_max]):
-            assert got == pytest.approx(want, abs=1e-5)
+    assert_chunked_equals_full(hidden, target, head, cfg, full, full_stats, (1, 2, 4, 6, 15, 64))
 
 
 def test_chunked_loss_of_an_empty_microbatch():

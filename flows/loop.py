@@ -264,6 +264,7 @@ def _run(cfg: GRPOConfig, progress: bool) -> RunSummary:
     finally:
         try:
             client.run(tasks.shutdown_train_rank, cfg.run_name)
+            client.run(tasks.close_engines)  # a vLLM engine's server process goes with it
         except Exception:
             pass
         client.close()

@@ -278,6 +278,11 @@ class GRPOConfig:
                                     t.pipeline_model_parallel_size * t.virtual_pipeline_model_parallel_size, head)
 
     @property
+    def max_model_len(self) -> int:
+        """The longest sequence an engine holds: the step's prompt width + rollout.max_new_tokens."""
+        return self.prompt_width + self.rollout.max_new_tokens
+
+    @property
     def prompt_width(self) -> int:
         """Token slots of the step layout's prompt column: the addition prompt "<bos>a+b=" (1 + 2 x
         num_digits + 2) for the built-in task, else dataset.max_prompt_tokens (a longer prompt is

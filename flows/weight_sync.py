@@ -18,7 +18,8 @@ version and the rest of the channel's to disk, and the channel is opened again b
 step once no step is in flight and every engine is back. Colocated placement uses the same
 channel: the engine's receiving thread runs in a training worker's process, beside its sender.
 
-Worker-side state lives in this module's registries, one per worker process, keyed by run.
+The endpoints live in the worker's state (flows/worker.py), keyed by run; the driver's record of
+the engines each run's channel was opened with lives here.
 """
 
 from __future__ import annotations
@@ -31,22 +32,21 @@ from distributed import Client, wait
 
 from flows.cluster import ClusterError, Pools, worker_addresses
 from flows.schema import GRPOConfig
+from flows.worker import set_threads
+from flows.worker import state as worker_state
 from stages.policy import DecoderConfig, build_stage, hf_state
 from stages.sync import SignatureMismatchError, WeightReceiver, WeightSender, WeightSyncConfig, WeightSyncError
 from stages.sync.plan import tensor_specs
-from stages.sync.stream import ReceivedVersion, VersionStream
+from stages.sync.stream import VersionStream
 from stages.train.rendezvous import free_port
 from storage.model_folder import load_hf_config
 from storage.policies import PolicyRef
 
 __all__ = ["engines_moved", "open_channel", "reopen_if_engines_moved", "close_channel", "connect_sender", "send_version",
-           "start_receiver", "received_version", "close_endpoints", "step_metrics"]
+           "start_receiver", "close_endpoints", "step_metrics"]
 
 log = logging.getLogger(__name__)
 
-# Worker-process registries.
-_SENDERS: dict[str, WeightSender | None] = {}  # run -> this rank's sender (None: its channel failed)
-_STREAMS: dict[str, VersionStream] = {}  # run -> this engine's receiving thread
 # Driver: run -> engine name -> address of the engines its channel was last opened with.
 _OPEN: dict[str, dict[str, str]] = {}
 _COUNTER = itertools.count()
@@ -161,11 +161,10 @@ def connect_sender(cfg: GRPOConfig, sync: WeightSyncConfig) -> str:
     """On every training rank: ranks with dp = 0 gather their whole tensors (a collective over TP,
     as for a shard write); dp = tp = 0 ranks join the channel as pipeline rank pp's source.
     Returns "" or the one-line error that kept it out of the channel."""
-    from flows import tasks
-
-    tasks._threads(cfg, "train")
-    engine = tasks._rank(cfg.run_name)
-    old = _SENDERS.pop(cfg.run_name, None)  # an engine's receiving thread in this process stays
+    set_threads(cfg, "train")
+    senders = worker_state().senders
+    engine = worker_state().rank(cfg.run_name)
+    old = senders.pop(cfg.run_name, None)  # an engine's receiving thread in this process stays
     if old is not None:
         old.close()
     coord = engine.coord
@@ -175,9 +174,9 @@ def connect_sender(cfg: GRPOConfig, sync: WeightSyncConfig) -> str:
     if coord.tp != 0:
         return ""
     try:
-        _SENDERS[cfg.run_name] = WeightSender.connect(sync, coord.pp, state)
+        senders[cfg.run_name] = WeightSender.connect(sync, coord.pp, state)
     except Exception as exc:
-        _SENDERS[cfg.run_name] = None
+        senders[cfg.run_name] = None
         return f"{type(exc).__name__}: {exc}"
     return ""
 
@@ -185,8 +184,9 @@ def connect_sender(cfg: GRPOConfig, sync: WeightSyncConfig) -> str:
 def send_version(run_name: str, state: dict | None, version: int) -> dict[str, float]:
     """Announce and send this rank's shard of ``version`` (its HF-named tensors; None on ranks that
     send nothing). A failed send leaves the version to disk and closes this rank's end."""
-    sender = _SENDERS.get(run_name)
-    if state is None or run_name not in _SENDERS:
+    senders = worker_state().senders
+    sender = senders.get(run_name)
+    if state is None or run_name not in senders:
         return {}
     out = {"weight_sync_memory_send_seconds": 0.0, "weight_sync_memory_send_bytes": 0,
            "weight_sync_memory_send_hash_seconds": 0.0, "weight_sync_memory_send_failed": 0}
@@ -199,7 +199,7 @@ def send_version(run_name: str, state: dict | None, version: int) -> dict[str, f
     except WeightSyncError as exc:
         log.warning("weight sync: v%d goes by disk only: %s", version, exc)
         sender.close()
-        _SENDERS[run_name] = None
+        senders[run_name] = None
         return {**out, "weight_sync_memory_send_seconds": time.perf_counter() - t0,
                 "weight_sync_memory_send_failed": 1}
     return {**out, "weight_sync_memory_send_seconds": time.perf_counter() - t0,
@@ -220,30 +220,16 @@ def _engine_specs(policy_path: str) -> list:
 def start_receiver(run_name: str, sync: WeightSyncConfig, engine_index: int, policy_path: str, keep: int) -> str:
     """On an engine worker (client.run): replace the run's receiving thread by one on ``sync``;
     returns at once, the thread joins the channel."""
-    stream = _STREAMS.pop(run_name, None)
+    streams = worker_state().streams
+    stream = streams.pop(run_name, None)
     if stream is not None:
         stream.close()
     specs = _engine_specs(policy_path)
-    _STREAMS[run_name] = VersionStream(lambda: WeightReceiver.connect(sync, engine_index, specs), keep,
+    streams[run_name] = VersionStream(lambda: WeightReceiver.connect(sync, engine_index, specs), keep,
                                        name=f"weight-sync-{sync.channel}")
     return sync.channel
 
 
-def received_version(cfg: GRPOConfig, version: int) -> tuple[ReceivedVersion | None, str]:
-    """Policy ``version`` as this engine received it, or None and why (then load it from disk)."""
-    stream = _STREAMS.get(cfg.run_name)
-    if cfg.cluster.weight_sync != "memory":
-        return None, "cluster.weight_sync=disk"
-    if stream is None:
-        return None, "this engine process holds no channel"
-    return stream.take(version, cfg.cluster.weight_sync_timeout_s)
-
-
 def close_endpoints(run_name: str) -> None:
-    """Close this process's sender and receiving thread of the run, if any."""
-    sender = _SENDERS.pop(run_name, None)
-    if sender is not None:
-        sender.close()
-    stream = _STREAMS.pop(run_name, None)
-    if stream is not None:
-        stream.close()
+    """Close this process's sender and receiving thread of the run, if any (client.run)."""
+    worker_state().close_endpoints(run_name)

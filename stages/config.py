@@ -64,6 +64,7 @@ REFERENCE_COMPUTE = ("auto", "always")
 OVERLONG = ("keep", "mask")
 REFERENCE_PASSES = ("separate", "fused")
 ROLLOUT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+ROLLOUT_ENGINES = ("native", "vllm")
 TRAIN_DEVICES = ("cpu", "cuda", "auto")
 TRAIN_DTYPES = ("float32", "bfloat16")
 
@@ -189,6 +190,24 @@ class RolloutConfig:
     log-probs are the bfloat16 model's: the on-policy loss anchors its clip at them, so its ratio at
     the step's start is the two precisions' difference, not 1; decoupled PPO (train.off_policy)
     anchors it at the trainer's own log-probs instead and weights tokens by that difference."""
+    engine: str = "native"
+    """Which engine generates, behind one contract (stages/rollout/contract.py): native, the
+    project's torch engine (stages/rollout/native.py: bit-reproducible, speculative decoding), or
+    vllm, vLLM in a server process of its own under rollout.vllm_python, started once and kept,
+    each version loaded into it in place (stages/rollout/vllm_engine.py; `make vllm` installs it,
+    `make test` too). Both record the log-probs of the distribution they sampled from as behav_logp;
+    the trainer's ratio to vLLM's starts a step within the two implementations' rounding of 1
+    (kl_behav measures it). Evaluation runs on the same kind of engine."""
+    vllm_python: Optional[str] = None
+    """The Python of the vLLM environment; unset: $GRPOFLOW_VLLM_PYTHON, else .venv-vllm/bin/python in
+    the project's folder."""
+    vllm_kv_cache_bytes: int = 0
+    """vLLM's KV-cache pool; 0: room for an engine's share of the step (max_num_seqs at most) at the
+    step's prompt width + max_new_tokens, at least 64 MiB. A smaller pool only runs fewer sequences
+    at once."""
+    vllm_timeout_s: float = 600.0
+    """The longest wait on the vLLM server: its start, a load, one generate call. Past it the server
+    is stopped and the task fails; a server that died is started again once per call."""
 
     def __post_init__(self) -> None:
         _require(self.group_size >= 2, "rollout.group_size must be >= 2 (a group needs a spread)")
@@ -211,6 +230,13 @@ class RolloutConfig:
         _require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
                  f"rollout.device={self.device!r} must be auto, cpu, cuda or cuda:N")
         _one_of("rollout.dtype", self.dtype, ROLLOUT_DTYPES)
+        _one_of("rollout.engine", self.engine, ROLLOUT_ENGINES)
+        _require(self.engine == "native" or not (self.draft_layers or self.draft_path),
+                 "rollout.draft_layers / draft_path need rollout.engine=native: vLLM's own speculative decoding "
+                 "is not wired")
+        _require(self.vllm_kv_cache_bytes >= 0, f"rollout.vllm_kv_cache_bytes={self.vllm_kv_cache_bytes} must be >= 0 "
+                 "(0: sized from the step)")
+        _in_range("rollout.vllm_timeout_s", self.vllm_timeout_s, low_ok=False)
 
 
 @dataclass(frozen=True)
@@ -368,8 +394,8 @@ class TrainConfig:
     gradient (stages/train/loss.py)."""
     off_policy: Optional[OffPolicyConfig] = None
     """Importance weights and clamps of the loss (stages/train/loss.py OffPolicyConfig). Unset: decoupled
-    PPO with token-level TIS capped at 2 when rollout.max_staleness >= 1, the plain on-policy loss
-    otherwise (:func:`effective_off_policy`). Set (any key): exactly this section, whose decoupled
+    PPO with token-level TIS capped at 2 when rollout.max_staleness >= 1 or rollout.engine is not
+    native (the engine/trainer mismatch), the plain on-policy loss otherwise (:func:`effective_off_policy`). Set (any key): exactly this section, whose decoupled
     defaults to false."""
     timeout_s: float = 120.0
     """Limit on every distributed wait (process-group init, send/recv, collectives); a failed or stuck
@@ -497,9 +523,11 @@ ASYNC_OFF_POLICY = OffPolicyConfig(decoupled=True, proximal="current", is_level=
                                    is_cap=2.0)
 
 
-def effective_off_policy(train: TrainConfig, max_staleness: int) -> OffPolicyConfig:
-    """The loss's off-policy section: train.off_policy when set, else :data:`ASYNC_OFF_POLICY` for
-    max_staleness >= 1 and the on-policy default for 0."""
+def effective_off_policy(train: TrainConfig, max_staleness: int, engine: str = "native") -> OffPolicyConfig:
+    """The loss's off-policy section: train.off_policy when set, else :data:`ASYNC_OFF_POLICY`
+    wherever the behaviour log-probs are not the trainer's own (max_staleness >= 1, or a rollout
+    engine other than the trainer's decoder: vLLM's kernels round differently, and TIS weights each
+    token by that engine/trainer mismatch), and the on-policy default otherwise."""
     if train.off_policy is not None:
         return train.off_policy
-    return ASYNC_OFF_POLICY if max_staleness >= 1 else OffPolicyConfig()
+    return ASYNC_OFF_POLICY if max_staleness >= 1 or engine != "native" else OffPolicyConfig()

@@ -25,7 +25,7 @@ is given (``torch.set_num_threads``, decided by the caller); it starts none of i
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -139,6 +139,10 @@ class RolloutBatch:
     """model forwards after prefill"""
     kv_view_bytes: int = 0
     """bytes of the decode views beside the pool, at their largest (stages/rollout/paged_kv.py)"""
+    policy_version: int = -1
+    """the version that generated the batch (set by stages/rollout/contract.py RolloutEngine)"""
+    metrics: dict = field(default_factory=dict)
+    """what the engine measured besides (speculative acceptance, restarts, ...)"""
 
     @property
     def tokens_per_s(self) -> float:

@@ -9,15 +9,14 @@ by (run seed, step, first prompt): a rerun of a step's range regenerates the sam
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
-import torch
 
 from stages.config import RolloutConfig
 from stages.policy.tokenizer import TextCodec
-from stages.rollout.engine import EngineConfig, RolloutBatch, SamplingParams, generate
-from stages.rollout.speculative import generate_speculative
+from stages.rollout.contract import RolloutEngine
+from stages.rollout.engine import RolloutBatch, SamplingParams
 
 __all__ = ["RolloutRows", "ROUND_GROUP_STRIDE", "rollout_seed", "first_group_id", "sampling_params", "rollout_rows", "generate_rows"]
 
@@ -84,25 +83,16 @@ def rollout_rows(batch: RolloutBatch, prompt_width: int, pad_id: int, first_grou
     return RolloutRows(row_start, arrays, metrics)
 
 
-def generate_rows(model: torch.nn.Module, codec: TextCodec, prompt_ids: Sequence[Sequence[int]], cfg: RolloutConfig,
+def generate_rows(engine: RolloutEngine, codec: TextCodec, prompt_ids: Sequence[Sequence[int]], cfg: RolloutConfig,
                   *, seed: int, step: int, prompt_start: int, prompts_per_step: int, prompt_width: int,
-                  policy_version: int, round: int = 0, draft: Optional[torch.nn.Module] = None) -> RolloutRows:
+                  policy_version: int, round: int = 0) -> RolloutRows:
     """Sample ``cfg.group_size`` completions of each tokenised prompt (prompts ``prompt_start``
     onwards of the step, as the prompt source gives them: template and BOS included; ``round``
-    >= 1: of the step's extra round) and return their rows. ``draft``: decode speculatively with it
-    proposing ``cfg.draft_tokens`` tokens per forward of ``model`` (the same distribution of rows;
-    the metrics gain speculative_acceptance and speculative_tokens_per_forward)."""
-    ids = [list(p) for p in prompt_ids]
-    gen = torch.Generator().manual_seed(rollout_seed(seed, step, prompt_start, round))
-    engine = EngineConfig(page_size=cfg.page_size, max_num_seqs=cfg.max_num_seqs)
-    extra: dict[str, float] = {}
-    if draft is None:
-        batch = generate(model, ids, sampling_params(cfg, codec), gen, engine)
-    else:
-        batch, stats = generate_speculative(model, draft, ids, sampling_params(cfg, codec), gen, cfg.draft_tokens,
-                                            engine)
-        extra = {"speculative_acceptance": stats.acceptance, "speculative_tokens_per_forward": stats.tokens_per_verify}
+    >= 1: of the step's extra round) on ``engine``, which must hold ``policy_version``, and return
+    their rows. The engine's own metrics (speculative_acceptance, ...) join the rows' metrics."""
+    batch = engine.generate(policy_version, prompt_ids, sampling_params(cfg, codec),
+                            rollout_seed(seed, step, prompt_start, round))
     rows = rollout_rows(batch, prompt_width, codec.pad_id, first_group_id(step, prompts_per_step, prompt_start, round),
-                        cfg.group_size, policy_version, row_start=prompt_start * cfg.group_size)
-    rows.metrics.update(extra)
+                        cfg.group_size, batch.policy_version, row_start=prompt_start * cfg.group_size)
+    rows.metrics.update(batch.metrics)
     return rows

@@ -9,8 +9,7 @@ from stages.sync.channel import WeightReceiver, WeightSender
 from stages.sync.config import (DEFAULT_SYNC_BUCKET_BYTES, PolicyTag, SyncStats, WeightSyncConfig,
                                 WeightSyncError)
 from stages.sync.plan import SignatureMismatchError, plan_sync, state_digest, tensor_specs
-from stages.sync.versioned import PolicyVersionError, VersionedEngine
 
 __all__ = ["DEFAULT_SYNC_BUCKET_BYTES", "PolicyTag", "SyncStats", "WeightReceiver", "WeightSender",
            "WeightSyncConfig", "WeightSyncError", "SignatureMismatchError", "plan_sync", "state_digest",
-           "tensor_specs", "PolicyVersionError", "VersionedEngine"]
+           "tensor_specs"]

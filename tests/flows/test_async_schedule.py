@@ -76,6 +76,8 @@ def test_config_keys(tmp_path):
     assert effective_off_policy(cfg.train, 2) == ASYNC_OFF_POLICY
     assert ASYNC_OFF_POLICY.decoupled and ASYNC_OFF_POLICY.is_mode == "truncate" and ASYNC_OFF_POLICY.is_cap == 2.0
     assert effective_off_policy(cfg.train, 0) == OffPolicyConfig()
+    # vLLM's log-probs are not the trainer's own: TIS weights its tokens by the mismatch, at s = 0 too.
+    assert effective_off_policy(cfg.train, 0, "vllm") == ASYNC_OFF_POLICY
     mine = load_config("configs/tiny.yaml", ["train.off_policy.is_mode=mask"]).train
     assert effective_off_policy(mine, 1).is_mode == "mask" and not effective_off_policy(mine, 1).decoupled
     with pytest.raises(ConfigError, match="cluster.placement=colocated instead"):

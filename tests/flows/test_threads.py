@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flows.config import load_config
-from flows.tasks import phase_threads
+from flows.worker import phase_threads
 
 
 _DECOUPLED = ["cluster.placement=decoupled", "rollout.num_engines=1"]

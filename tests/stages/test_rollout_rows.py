@@ -10,6 +10,8 @@ import torch
 from stages.config import RolloutConfig
 from stages.policy.tokenizer import TextCodec
 from stages.rollout import RolloutBatch, SamplingParams, generate
+from stages.rollout.contract import RolloutEngine
+from stages.rollout.native import NativeEngine
 from stages.rollout.rows import first_group_id, generate_rows, rollout_rows, rollout_seed
 from stages.tasks.addition import make_tokenizer_json
 from conftest import make_decoder_config, make_model
@@ -67,7 +69,8 @@ def test_generate_rows_equals_a_direct_engine_call():
     cfg = RolloutConfig(group_size=3, max_new_tokens=4, temperature=1.3)
     prompts = ["12+7=", "3+45="]
     ids = [[codec.bos_id, *codec.encode(p)] for p in prompts]
-    rows = generate_rows(model, codec, ids, cfg, seed=5, step=2, prompt_start=6, prompts_per_step=8,
+    engine = RolloutEngine(NativeEngine(model=model), version=1)
+    rows = generate_rows(engine, codec, ids, cfg, seed=5, step=2, prompt_start=6, prompts_per_step=8,
                          prompt_width=7, policy_version=1)
     # The reference: the engine called by hand with the seed formula written out.
     params = SamplingParams(3, 4, 1.3, 1.0, (codec.eos_id,), codec.pad_id)

@@ -19,8 +19,10 @@ import torch.multiprocessing as tmp
 from conftest import make_decoder_config, make_model
 from stages.policy import build_stage, hf_state, load_hf_state
 from stages.rollout import SamplingParams
-from stages.sync import (PolicyTag, PolicyVersionError, SignatureMismatchError, VersionedEngine, WeightReceiver,
-                         WeightSender, WeightSyncConfig, plan_sync, state_digest, tensor_specs)
+from stages.rollout.contract import PolicyVersionError, PolicyWeights, RolloutEngine
+from stages.rollout.native import NativeEngine
+from stages.sync import (PolicyTag, SignatureMismatchError, WeightReceiver, WeightSender, WeightSyncConfig, plan_sync,
+                         state_digest, tensor_specs)
 from stages.sync import channel
 from stages.sync.channel import _Endpoint
 
@@ -111,17 +113,20 @@ def _trainer(cfg: WeightSyncConfig, model_cfg, pp: int, versions: list[dict], fa
 
 
 def _engine(cfg: WeightSyncConfig, model_cfg, num_syncs: int, index: int = 0):
-    engine = VersionedEngine(make_model(model_cfg, seed=99))
-    receiver = WeightReceiver.connect(cfg, index, hf_state(engine.model))
+    """A native engine receiving ``num_syncs`` versions over the channel and loading each one."""
+    native = NativeEngine(model=make_model(model_cfg, seed=99))
+    engine = RolloutEngine(native)
+    receiver = WeightReceiver.connect(cfg, index, hf_state(native.model))
     out = []
     for _ in range(num_syncs):
-        stats = engine.sync(receiver)
+        tag, tensors, stats = receiver.receive()
+        engine.load(PolicyWeights(tag.version, "", tensors=tensors, content_hash=tag.content_hash))
         refused = None
         try:
-            engine.require(engine.tag.version - 1)
+            engine.require(engine.version - 1)
         except PolicyVersionError as exc:
             refused = str(exc)
-        out.append((engine.tag, hf_state(engine.model), stats, refused))
+        out.append((tag, hf_state(native.model), stats, refused))
     return out
 
 
@@ -207,21 +212,22 @@ def test_bytes_that_do_not_match_their_digests_are_refused():
 
 def test_the_engine_refuses_a_version_it_does_not_hold():
     model_cfg = make_decoder_config()
-    engine = VersionedEngine(make_model(model_cfg, seed=0))
+    native = NativeEngine(model=make_model(model_cfg, seed=0))
+    engine = RolloutEngine(native)
     with pytest.raises(PolicyVersionError, match="^the step asks for policy v0, the rollout engine holds no policy"):
         engine.require(0)
     new = hf_state(make_model(model_cfg, seed=5))
-    engine.load(new, PolicyTag(3, state_digest(new)))
+    engine.load(PolicyWeights(3, "", tensors=new, content_hash=state_digest(new)))
     params = SamplingParams(group_size=2, max_new_tokens=3)
     with pytest.raises(PolicyVersionError, match=r"^the step asks for policy v4, the rollout engine holds v3: "):
-        engine.generate(4, [[1, 5, 6]], params, torch.Generator().manual_seed(0))
-    batch = engine.generate(3, [[1, 5, 6]], params, torch.Generator().manual_seed(0))
-    assert batch.tokens.shape == (2, 3)
-    assert all(torch.equal(t, new[k]) for k, t in hf_state(engine.model).items())
+        engine.generate(4, [[1, 5, 6]], params, seed=0)
+    batch = engine.generate(3, [[1, 5, 6]], params, seed=0)
+    assert batch.tokens.shape == (2, 3) and batch.policy_version == 3
+    assert all(torch.equal(t, new[k]) for k, t in hf_state(native.model).items())
     broken = {k: v for k, v in new.items() if k != "lm_head.weight"}
     with pytest.raises(ValueError, match="lacks 1 tensors"):
-        engine.load(broken, PolicyTag(4))
-    assert engine.tag is None  # half-loaded weights hold no version
+        engine.load(PolicyWeights(4, "", tensors=broken))
+    assert engine.version is None  # half-loaded weights hold no version
     with pytest.raises(PolicyVersionError, match="holds no policy"):
         engine.require(3)
 

@@ -30,6 +30,7 @@ from stages.policy.tokenizer import TextCodec
 from stages.reward import score_samples
 from stages.rollout.contract import PolicyWeights, RolloutEngine
 from stages.rollout.engine import FINISH_LENGTH, RolloutBatch, SamplingParams
+from stages.rollout.rows import cut_at_stop_strings
 from stages.steps import decode_completions
 from storage.policies import PolicyRef
 from storage.run_folder import RunFolder
@@ -73,7 +74,8 @@ def _generate(engine: RolloutEngine, codec: TextCodec, records: list[PromptRecor
     # Greedy: only the most likely token is kept (top_k = 1), so the draw is the argmax.
     params = SamplingParams(n, e.max_new_tokens or r.max_new_tokens, 1.0 if greedy else r.temperature,
                             1.0 if greedy else r.top_p, tuple(codec.eos_ids), codec.pad_id, top_k=1 if greedy else r.top_k)
-    return engine.generate(version, [list(rec.prompt_ids) for rec in records], params, e.seed * _SEED_MUL + version)
+    batch = engine.generate(version, [list(rec.prompt_ids) for rec in records], params, e.seed * _SEED_MUL + version)
+    return cut_at_stop_strings(batch, codec, r.stop)
 
 
 def evaluate_version(cfg: GRPOConfig, folder: RunFolder, policy: PolicyRef) -> dict[str, float]:

@@ -190,6 +190,10 @@ class RolloutConfig:
     log-probs are the bfloat16 model's: the on-policy loss anchors its clip at them, so its ratio at
     the step's start is the two precisions' difference, not 1; decoupled PPO (train.off_policy)
     anchors it at the trainer's own log-probs instead and weights tokens by that difference."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings: a completion ends at its first token whose text completes one of them (that
+    token kept, as the model's EOS is, finish reason stop), e.g. ["</answer>"]; its EOS ids stop it
+    too. Applied to every engine's samples as they come back (stages/rollout/rows.py), and to eval's."""
     engine: str = "native"
     """Which engine generates, behind one contract (stages/rollout/contract.py): native, the
     project's torch engine (stages/rollout/native.py: bit-reproducible, speculative decoding), or
@@ -231,6 +235,8 @@ class RolloutConfig:
                  f"rollout.device={self.device!r} must be auto, cpu, cuda or cuda:N")
         _one_of("rollout.dtype", self.dtype, ROLLOUT_DTYPES)
         _one_of("rollout.engine", self.engine, ROLLOUT_ENGINES)
+        _require(all(isinstance(s, str) and s for s in self.stop),
+                 f"rollout.stop={self.stop!r}: each stop string must be a non-empty string")
         _require(self.engine == "native" or not (self.draft_layers or self.draft_path),
                  "rollout.draft_layers / draft_path need rollout.engine=native: vLLM's own speculative decoding "
                  "is not wired")

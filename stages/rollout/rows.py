@@ -8,6 +8,7 @@ by (run seed, step, first prompt): a rerun of a step's range regenerates the sam
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -16,9 +17,10 @@ import numpy as np
 from stages.config import RolloutConfig
 from stages.policy.tokenizer import TextCodec
 from stages.rollout.contract import RolloutEngine
-from stages.rollout.engine import RolloutBatch, SamplingParams
+from stages.rollout.engine import FINISH_STOP, RolloutBatch, SamplingParams
 
-__all__ = ["RolloutRows", "ROUND_GROUP_STRIDE", "rollout_seed", "first_group_id", "sampling_params", "rollout_rows", "generate_rows"]
+__all__ = ["RolloutRows", "ROUND_GROUP_STRIDE", "rollout_seed", "first_group_id", "sampling_params",
+           "cut_at_stop_strings", "rollout_rows", "generate_rows"]
 
 # Multipliers of the seed mix: primes, so (seed, step, prompt_start) triples that differ give
 # different seeds for any realistic run (steps < 1_000_003 / 1_009, prompts per step < 1_009).
@@ -62,6 +64,26 @@ def sampling_params(cfg: RolloutConfig, codec: TextCodec) -> SamplingParams:
                           codec.pad_id, top_k=cfg.top_k)
 
 
+def cut_at_stop_strings(batch: RolloutBatch, codec: TextCodec, stop: Sequence[str]) -> RolloutBatch:
+    """Each completion ended at its first token whose text completes one of ``stop``
+    (rollout.stop): that token is kept, as a stop token is, the rest becomes padding (behav_logp 0)
+    and the finish reason is stop. Exact: a sample's tokens up to there are what a sampler stopping
+    at the string would have drawn, since no token depends on the ones after it; only the compute
+    spent past the string is wasted."""
+    if not stop:
+        return batch
+    tokens, logp = batch.tokens.copy(), batch.behav_logp.copy()
+    length, finish = batch.length.copy(), batch.finish_reason.copy()
+    for row in range(len(length)):
+        ids = tokens[row, : length[row]].tolist()
+        if not any(s in codec.decode(ids) for s in stop):
+            continue
+        end = next(k for k in range(1, len(ids) + 1) if any(s in codec.decode(ids[:k]) for s in stop))
+        tokens[row, end:], logp[row, end:] = codec.pad_id, 0.0
+        length[row], finish[row] = end, FINISH_STOP
+    return dataclasses.replace(batch, tokens=tokens, behav_logp=logp, length=length, finish_reason=finish)
+
+
 def rollout_rows(batch: RolloutBatch, prompt_width: int, pad_id: int, first_group: int, group_size: int,
                  policy_version: int, row_start: int = 0) -> RolloutRows:
     """The store rows of a generated batch: prompts right-padded to the step's ``prompt_width``,
@@ -92,6 +114,7 @@ def generate_rows(engine: RolloutEngine, codec: TextCodec, prompt_ids: Sequence[
     their rows. The engine's own metrics (speculative_acceptance, ...) join the rows' metrics."""
     batch = engine.generate(policy_version, prompt_ids, sampling_params(cfg, codec),
                             rollout_seed(seed, step, prompt_start, round))
+    batch = cut_at_stop_strings(batch, codec, cfg.stop)
     rows = rollout_rows(batch, prompt_width, codec.pad_id, first_group_id(step, prompts_per_step, prompt_start, round),
                         cfg.group_size, batch.policy_version, row_start=prompt_start * cfg.group_size)
     rows.metrics.update(batch.metrics)

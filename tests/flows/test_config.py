@@ -48,12 +48,21 @@ def test_tiny_config_loads_with_overrides():
     ("reward.timeout_s=inf", "reward.timeout_s"),
     ("cluster.iteration_timeout_s=inf", "cluster.iteration_timeout_s"),
     ("cluster.listen=tcp://0.0.0.0", "cluster.listen"),
+    ("rollout.engine=trtllm", "rollout.engine"),
+    ("rollout.vllm_timeout_s=0", "rollout.vllm_timeout_s"),
+    ("rollout.vllm_kv_cache_bytes=-1", "rollout.vllm_kv_cache_bytes"),
+    ("rollout.stop=['']", "rollout.stop"),
 ])
 def test_bad_values_name_the_key_in_one_line(override, key):
     with pytest.raises(ConfigError) as info:
         load_config("configs/tiny.yaml", [*SMALL, override])
     message = str(info.value)
     assert key in message and "\n" not in message
+
+
+def test_vllm_refuses_a_speculative_draft_in_one_line():
+    with pytest.raises(ConfigError, match=r"rollout.draft_layers / draft_path need rollout.engine=native"):
+        load_config("configs/tiny.yaml", [*SMALL, "rollout.engine=vllm", "rollout.draft_layers=1"])
 
 
 def test_microbatch_count_is_the_worst_case_of_the_token_budget():

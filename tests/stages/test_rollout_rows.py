@@ -12,7 +12,7 @@ from stages.policy.tokenizer import TextCodec
 from stages.rollout import RolloutBatch, SamplingParams, generate
 from stages.rollout.contract import RolloutEngine
 from stages.rollout.native import NativeEngine
-from stages.rollout.rows import first_group_id, generate_rows, rollout_rows, rollout_seed
+from stages.rollout.rows import cut_at_stop_strings, first_group_id, generate_rows, rollout_rows, rollout_seed
 from stages.tasks.addition import make_tokenizer_json
 from conftest import make_decoder_config, make_model
 
@@ -80,3 +80,27 @@ def test_generate_rows_equals_a_direct_engine_call():
     assert rows.row_start == 18  # prompt 6 x G 3
     np.testing.assert_array_equal(rows.arrays["group_id"], [22, 22, 22, 23, 23, 23])  # 2 x 8 + 6
     np.testing.assert_array_equal(rows.arrays["prompt_ids"][0], [codec.bos_id, *codec.encode("12+7="), codec.pad_id])
+
+
+def test_stop_strings_end_a_completion_at_the_token_that_completes_them():
+    """rollout.stop: the completion ends at its first token whose text completes a stop string (kept,
+    as a stop token is); the log-probs before it stay, everything after becomes padding."""
+    codec = TextCodec.from_json(make_tokenizer_json())
+    ids = lambda text: codec.encode(text)  # noqa: E731 (one id per character)
+    rows = [ids("12+34"), ids("9="), ids("=1+2=")]
+    batch = make_batch(num_prompts=3, group_size=1, max_new=5)
+    for r, row in enumerate(rows):
+        batch.tokens[r] = 0
+        batch.tokens[r, : len(row)] = row
+        batch.length[r] = len(row)
+        batch.finish_reason[r] = 1
+    cut = cut_at_stop_strings(batch, codec, ["+3", "="])
+    assert cut.length.tolist() == [4, 2, 1]  # "12+3" (the stop spans two tokens), "9=", "="
+    assert cut.finish_reason.tolist() == [0, 0, 0]
+    np.testing.assert_array_equal(cut.tokens[0], ids("12+3") + [0])
+    np.testing.assert_array_equal(cut.behav_logp[0, :4], batch.behav_logp[0, :4])
+    assert (cut.behav_logp[0, 4:] == 0).all() and (cut.behav_logp[2, 1:] == 0).all()
+    untouched = cut_at_stop_strings(batch, codec, ["99"])  # no completion holds it
+    np.testing.assert_array_equal(untouched.tokens, batch.tokens)
+    assert untouched.finish_reason.tolist() == [1, 1, 1]
+    assert cut_at_stop_strings(batch, codec, []) is batch

@@ -26,8 +26,16 @@ def format_summary(plan: Plan) -> str:
     """The concise human summary printed to stdout."""
     cfg, est = plan.config, plan.layout
     sim = est.train_step.simulation
-    lines = [f"plan: {plan.label}  ({cfg.model_shape.name}, {cfg.cluster.num_gpus} GPUs, cap "
-             f"{gib(cfg.cluster.memory_cap_bytes)} per GPU)", ""]
+    c = cfg.cluster
+    if c.device == "cpu":
+        lines = [f"plan: {plan.label}  ({cfg.model_shape.name}, {c.num_gpus} CPU ranks on this host, cap "
+                 f"{gib(c.memory_cap_bytes)} per rank)",
+                 f"device: this host's CPU (train.device cpu): per rank {c.peak_flops / 1e9:.0f} GFLOP/s measured "
+                 f"matmul at MFU {c.mfu:g}, {c.hbm_bandwidth_bytes_per_s / 1e9:.1f} GB/s memory; times are "
+                 "first-order (planner/host.py). Set plan.cluster.* to plan GPUs instead.", ""]
+    else:
+        lines = [f"plan: {plan.label}  ({cfg.model_shape.name}, {c.num_gpus} GPUs, cap "
+                 f"{gib(c.memory_cap_bytes)} per GPU)", ""]
     lines.append(_table(["rank", "weights", "reference", "grads", "optimiser", "activations", "in flight", "logits",
                          "total"],
                         [[m.rank, gib(m.weights_bytes), gib(m.reference_bytes), gib(m.grads_bytes), gib(m.optimizer_bytes),

@@ -49,6 +49,10 @@ class PlanConfigError(ValueError):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ClusterConfig:
+    device: Literal["gpu", "cpu"] = "gpu"
+    """What a "GPU" of this plan is: gpu (the defaults below: H100 SXM), or cpu (a CPU run's ranks on
+    one host, its fields measured there: planner/host.py; a run config with train.device cpu and no
+    plan.cluster section gets it)."""
     num_gpus: int = 64
     """All GPUs of the job (training plus rollout); in a run config, unset means the run's pp x dp x tp ranks."""
     gpus_per_node: int = 8

@@ -99,8 +99,13 @@ def plan_config_from_run(run: GRPOConfig, *, base_dir: str | Path = ".") -> Plan
     for key in plan:
         if key not in known:
             raise PlanConfigError(f"plan.{key}: unknown key; known keys of plan: {', '.join(known)}")
-    # Unset, the cluster is the run's own training ranks (colocated rollout on them).
+    # Unset, the cluster is the run's own training ranks (colocated rollout on them); on a CPU run,
+    # those ranks on this host at its measured rates.
     defaults: dict[str, dict[str, Any]] = {"cluster": {"num_gpus": run.train.world_size}}
+    if "cluster" not in plan and _trains_on_cpu(run):
+        from planner.host import host_cluster
+
+        defaults["cluster"] = host_cluster(run.train.world_size, run.train.dtype, run.runs_dir)
     sections = {name: _build_section(cls, f"plan.{name}", {**defaults.get(name, {}), **_mapping(plan, name)})
                 for name, cls in _PLAN_SECTIONS.items()}
     train_knobs = _mapping(plan, "train")
@@ -125,6 +130,14 @@ def plan_config_from_run(run: GRPOConfig, *, base_dir: str | Path = ".") -> Plan
         "prompts_per_step": run.task.prompts_per_step, "group_size": run.rollout.group_size,
         "prompt_len": run.prompt_width, "gen_len": run.rollout.max_new_tokens, **workload_knobs})
     return PlanConfig(model_shape=shape, train=train, workload=workload, **sections)
+
+
+def _trains_on_cpu(run: GRPOConfig) -> bool:
+    if run.train.device != "auto":
+        return run.train.device == "cpu"
+    import torch
+
+    return not (torch.cuda.is_available() and torch.cuda.device_count() >= run.train.world_size)
 
 
 def _mapping(plan: Mapping[str, Any], name: str) -> Mapping[str, Any]:

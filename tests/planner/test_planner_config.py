@@ -1,6 +1,7 @@
 """Config loading: YAML + dotlist overrides into frozen dataclasses; one-line errors naming key and fix."""
 
 import json
+import os
 
 import pytest
 
@@ -93,3 +94,28 @@ def test_the_runtime_tiny_config_plans_as_is():
     assert (cfg.workload.prompt_len, cfg.workload.gen_len) == (7, 6)  # "<bos>ab+cd=" and max_new_tokens
     assert cfg.num_microbatches == 8  # tiny.yaml: 512 samples, 8 whole groups per microbatch
     assert cfg.train.activation_impl == "torch-eager" and cfg.train.tp_rules == "runtime"
+
+
+def test_a_cpu_run_is_planned_on_this_host_at_its_measured_rates(tmp_path):
+    """train.device cpu and no plan.cluster: the ranks share this host's cores, RAM and measured matmul
+    rate (taken from the runs_dir's host-rate cache); plan.cluster given: the GPUs it names."""
+    from planner.host import CPU_STEP_MFU, host_cores
+    from storage.host_rates import HOST_RATES_FILE, host_rate_key, save_host_rates
+
+    save_host_rates(tmp_path / "_cache" / HOST_RATES_FILE, {host_rate_key("float32", "cpu", host_cores()): 3.0e11})
+    cpu = load_plan_config(REPO / "configs" / "tiny.yaml", [f"runs_dir={tmp_path}"]).cluster
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert cpu.device == "cpu" and cpu.num_gpus == cpu.gpus_per_node == 2
+    assert cpu.peak_flops == 1.5e11 and cpu.mfu == CPU_STEP_MFU  # 3e11 over 2 ranks
+    assert cpu.memory_bytes == ram // 2
+    gpu = load_plan_config(REPO / "configs" / "tiny.yaml", [f"runs_dir={tmp_path}", "plan.cluster.num_gpus=2"]).cluster
+    assert gpu.device == "gpu" and gpu.peak_flops == 989e12
+    assert load_plan_config(SEED_CONFIG).cluster.device == "gpu"  # its plan.cluster section
+
+
+def test_the_cpu_plan_says_so_in_its_summary(tmp_path, capsys):
+    from planner.cli import plan_command
+
+    assert plan_command(str(REPO / "configs" / "tiny.yaml"), [f"runs_dir={tmp_path}"], None) == 0
+    out = capsys.readouterr().out
+    assert "2 CPU ranks on this host" in out and "device: this host's CPU" in out and "GPUs" not in out.splitlines()[0]

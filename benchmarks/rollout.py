@@ -28,6 +28,9 @@ default; 0: every row at once, as ``generate`` runs them): past the cap the engi
 later waves. ``--only ops`` counts the aten ops each dispatches per decode step (a GPU launches a
 kernel or more for each; the count is the same on any device).
 
+The engines behind the rollout contract on the real model (native, vLLM, transformers' generate on
+SmolLM2-135M) are compared by benchmarks/engines.py.
+
     .venv/bin/python benchmarks/rollout.py [--threads 1] [--reps 1] [--only skewed|fixed|speculative|ops] [--no-hf]
     python3 benchmarks/rollout.py --device cuda --max-num-seqs 0 --reps 3 --prompts 16 --prompts 128   # on a GPU
 """

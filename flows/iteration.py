@@ -115,6 +115,8 @@ class IterationResult:
     """(pool, start, end) wall-clock seconds (time.time) of the step's rollout and training-rank tasks."""
     reward_first_error: str = ""
     """Why the step's first failed reward failed ("" when none did, or the step was scored earlier)."""
+    reward_function_errors: dict[str, str] = field(default_factory=dict)
+    """Per reward function label, why its first failed sample failed (functions that failed only)."""
 
 
 @dataclass(frozen=True)
@@ -540,10 +542,18 @@ def _collect(step: int, values: dict[str, list], stage_seconds: dict[str, float]
             m["generated_length_mean"] = m["rollout_tokens"] / max(sum(r["generated_samples"] for r in roll), 1)
     if values.get("reference"):
         m["reference_compute_seconds"] = max(r["reference_seconds"] for r in values["reference"])
-    first_error = ""
+    first_error, function_errors = "", {}
     if values["reward"]:
         m["reward_failed"] = sum(r["reward_failed"] for r in values["reward"])
         first_error = next((r["reward_first_error"] for r in values["reward"] if r.get("reward_first_error")), "")
+        by_function: dict[str, dict] = {}
+        for r in values["reward"]:
+            tasks.merge_function_stats(by_function, r.get("reward_functions", {}))
+        for label, f in by_function.items():  # each function's mean over the samples it scored
+            m[f"reward/{label}"] = f["sum"] / f["scored"] if f["scored"] else float("nan")
+            m[f"reward_failed/{label}"] = float(f["failed"])
+            if f["first_error"]:
+                function_errors[label] = f["first_error"]
     for r in values["advantage"]:
         m.update(r)
     trains = sorted(values["train"], key=lambda r: r["rank"])
@@ -584,7 +594,8 @@ def _collect(step: int, values: dict[str, list], stage_seconds: dict[str, float]
     busy = [("rollout", r["task_start"], r["task_end"]) for r in values["rollout"]]
     busy += [("train", r["task_start"], r["task_end"]) for s in ("reference", "proximal", "train") if s not in inside
              for r in values.get(s, [])]
-    return IterationResult(step, values["publish"][0], m, stage_seconds, events, skipped, busy, first_error)
+    return IterationResult(step, values["publish"][0], m, stage_seconds, events, skipped, busy, first_error,
+                           function_errors)
 
 
 def _failure(client: Client, pools: Pools, step: int, stage: str, exc: BaseException) -> IterationError:

@@ -77,6 +77,9 @@ class RunSummary:
     policy_path: str = ""
     eval: dict[int, dict[str, float]] = field(default_factory=dict)
     """Held-out metrics by policy version (eval.path set)."""
+    first_step_here: int = 0
+    """The first step this process ran (a resumed run: the steps before came from an earlier one);
+    iterations when it ran none. wall_seconds is this process's."""
 
     def reward_gain(self) -> tuple[float, float, int]:
         """(mean reward of the first iterations, of the last ones, window): window = a quarter of the
@@ -94,6 +97,7 @@ class RunSummary:
             "stage_seconds": {s: sum(v) for s, v in self.stage_seconds.items()},
             "stage_seconds_per_iteration": self.stage_seconds, "policy_path": self.policy_path,
             "metrics": self.metrics, "eval": {str(v): m for v, m in sorted(self.eval.items())},
+            "first_step_here": self.first_step_here,
         }
 
 
@@ -167,7 +171,8 @@ def _finished_summary(cfg: GRPOConfig, folder: RunFolder, tracking_uri: str) -> 
         iterations=data["iterations"], reward_mean=[nan if r is None else r for r in data["reward_mean"]],
         wall_seconds=data["wall_seconds"], stage_seconds=data["stage_seconds_per_iteration"],
         metrics=[{k: nan if v is None else v for k, v in m.items()} for m in data["metrics"]],
-        policy_path=data["policy_path"], eval={int(v): m for v, m in data.get("eval", {}).items()})
+        policy_path=data["policy_path"], eval={int(v): m for v, m in data.get("eval", {}).items()},
+        first_step_here=data.get("first_step_here", 0))
 
 
 def fresh_run(cfg: GRPOConfig) -> GRPOConfig:
@@ -392,6 +397,8 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
             child.log_rollouts(store.ref(step).path, store.digest(step), store.array_specs(step))
             if result.reward_first_error:
                 tags["reward.first_error"] = result.reward_first_error
+            for label, why in result.reward_function_errors.items():  # each failing function's first reason
+                tags[f"reward.{label}.first_error"] = why
             child.log_metrics(result.metrics, tags={**tags, **child.policy_tags(
                 result.policy.version, result.policy.path, result.policy.sha256)})
         if plot_rows is not None:  # refresh the plots
@@ -433,6 +440,9 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
         return future is not None and not future.cancel() and future.result()
 
     plotted_at = -float("inf")  # time.monotonic() of the last redraw of the plots
+    # A resumed run's plots start with the steps an earlier process logged (their stored metrics).
+    earlier_rows = [{"step": step, **store.attrs(step)["metrics"]} for step in range(first_step)
+                    if store.has_step(step) and "metrics" in store.attrs(step)]
 
     def finish_oldest() -> None:
         nonlocal plotted_at
@@ -470,7 +480,8 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
         plot = (due and time.monotonic() >= plotted_at + cfg.mlflow.plot_min_interval_s) or step == cfg.iterations - 1
         if plot:
             plotted_at = time.monotonic()
-        queue.submit(log_step, handle, result, [{"step": r.step, **r.metrics} for r in results] if plot else None)
+        queue.submit(log_step, handle, result,
+                     earlier_rows + [{"step": r.step, **r.metrics} for r in results] if plot else None)
         _check_rewards(cfg, result, failed_steps)  # after the step's lineage is queued: a stop still logs it
         outer.update(1)
         outer.set_postfix(reward=f"{result.metrics.get('reward_mean', float('nan')):.3f}")
@@ -523,7 +534,10 @@ def _check_rewards(cfg: GRPOConfig, result: IterationResult, failed_steps: list[
         return
     samples = cfg.task.prompts_per_step * cfg.rollout.group_size
     why = result.reward_first_error or "the reason was not recorded"
-    log.warning("step %d: %d of %d rewards failed; the first: %s", result.step, failed, samples, why)
+    by_function = "; ".join(f"{label} failed {int(result.metrics.get(f'reward_failed/{label}', 0))}: {first}"
+                            for label, first in result.reward_function_errors.items())
+    log.warning("step %d: %d of %d rewards failed; %s", result.step, failed, samples,
+                by_function or f"the first: {why}")
     if failed < samples:
         failed_steps.clear()
         return
@@ -597,13 +611,20 @@ def _summarise(cfg: GRPOConfig, lineage: Lineage, tracking_uri: str, folder: Run
         iterations=len(metrics), reward_mean=[m.get("reward_mean", float("nan")) for m in metrics],
         wall_seconds=wall_s, stage_seconds={s: [m.get(f"{s}_seconds", 0.0) for m in metrics] for s in names},
         metrics=[{"step": step, **m} for step, m in enumerate(metrics)], policy_path=last.path,
-        eval=load_eval_results(cfg, folder) if evaluated is None else evaluated)
+        eval=load_eval_results(cfg, folder) if evaluated is None else evaluated,
+        first_step_here=min(ran, default=cfg.iterations))
 
 
 def format_summary(summary: RunSummary) -> str:
     """A plain-text table of the run: reward per iteration and seconds per stage."""
     lines = [f"run {summary.run_name}: {summary.iterations} iterations in {summary.wall_seconds:.1f} s "
              f"(mlflow run {summary.mlflow_run_id})"]
+    if summary.first_step_here > 0:  # resumed: the wall time is this process's steps only
+        here = summary.iterations - summary.first_step_here
+        steps_s = sum(m.get("iteration_seconds", 0.0) for m in summary.metrics)
+        lines[0] = (f"run {summary.run_name}: {summary.iterations} iterations, {here} of them (from step "
+                    f"{summary.first_step_here}) in this process's {summary.wall_seconds:.1f} s; "
+                    f"{steps_s:.1f} s of steps over all {summary.iterations} (mlflow run {summary.mlflow_run_id})")
     header = f"{'step':>4} {'reward':>7} {'loss':>8} {'kl':>7} {'clip':>6} {'bubble':>6} {'mfu':>5} " + \
         " ".join(f"{s:>9}" for s in STAGES)  # full names: "reference" and "advantage" are the widest
     lines.append(header)

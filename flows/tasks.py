@@ -163,14 +163,15 @@ def rollout_task(cfg: GRPOConfig, ref: StepRef, policy: PolicyRef, prompt_start:
     records, rows = generate(0, prompt_stop - prompt_start)
     arrays, metrics, scoring = rows.arrays, dict(rows.metrics), {}
     if score:
-        reward_s, first_errors = 0.0, []
+        reward_s, first_errors, by_function = 0.0, [], {}
 
         def scored(records, rows) -> dict[str, np.ndarray]:
             nonlocal reward_s
             t0 = time.perf_counter()
-            scores, first_error = _score(cfg, policy.path, rows.arrays, records)
+            scores, first_error, functions = _score(cfg, policy.path, rows.arrays, records)
             reward_s += time.perf_counter() - t0
             first_errors.append(first_error)
+            merge_function_stats(by_function, functions)
             return {**rows.arrays, **scores}
 
         arrays = scored(records, rows)
@@ -188,7 +189,7 @@ def rollout_task(cfg: GRPOConfig, ref: StepRef, policy: PolicyRef, prompt_start:
             metrics.update(filled.metrics, generated_samples=filled.metrics["groups_generated"] * cfg.rollout.group_size)
             metrics["rollout_tokens_per_s"] = metrics["rollout_tokens"] / max(metrics["rollout_seconds"], 1e-9)
         scoring = {"reward_seconds": reward_s, "reward_failed": float(arrays["reward_failed"].sum()),
-                   "reward_first_error": next((e for e in first_errors if e), "")}
+                   "reward_first_error": next((e for e in first_errors if e), ""), "reward_functions": by_function}
     store.write_rows(ref.step, arrays, start=rows.row_start)
     return {**metrics, **load, **scoring, "task_start": t_start, "task_end": time.time()}
 
@@ -245,23 +246,36 @@ def score_task(cfg: GRPOConfig, ref: StepRef, policy_path: str, start: int, stop
     rows = store.read(ref.step, "tokens", "length", "finish_reason", start=start, stop=stop)
     G = cfg.rollout.group_size
     stamp = store.attrs(ref.step).get("data_stamp")
-    scores, first_error = _score(cfg, policy_path, rows,
-                                 state().records(cfg, policy_path, ref.step, start // G, stop // G, stamp))
+    scores, first_error, functions = _score(cfg, policy_path, rows,
+                                            state().records(cfg, policy_path, ref.step, start // G, stop // G, stamp))
     store.write_rows(ref.step, scores, start=start)
     return {**reward_statistics(scores["reward"], rows["length"], G, scores["reward_failed"], rows["finish_reason"]),
-            "reward_first_error": first_error}
+            "reward_first_error": first_error, "reward_functions": functions}
 
 
 def _score(cfg: GRPOConfig, policy_path: str, rows: dict[str, np.ndarray], records: list[PromptRecord]
-           ) -> tuple[dict[str, np.ndarray], str]:
+           ) -> tuple[dict[str, np.ndarray], str, dict[str, dict]]:
     """Rewards, failures and group-normalised advantages of rows holding ``tokens`` and ``length``
-    of whole groups, ``records`` their prompts; and why the first failed sample failed ("" if none). The groups are in memory, so their advantages are
+    of whole groups, ``records`` their prompts; why the first failed sample failed ("" if none); and
+    each function's sums and failures (ScoredGroups.function_metrics). The groups are in memory, so their advantages are
     computed there (numpy): the per-group function :func:`advantage_task` maps over the stored
     chunks with dask.array, the same values bit for bit, without a task graph to build (~2 ms a
     call, on every rollout task's path with reward.in_rollout)."""
     scored = score_rows(state().codec(cfg, policy_path), rows, records, cfg.rollout.group_size, cfg.reward)
     adv = normalize_advantages(scored.reward, cfg.rollout.group_size, cfg.advantage, ~scored.failed)
-    return {"reward": scored.reward, "reward_failed": scored.failed, "advantage": adv}, scored.first_error
+    return ({"reward": scored.reward, "reward_failed": scored.failed, "advantage": adv}, scored.first_error,
+            scored.function_metrics())
+
+
+def merge_function_stats(into: dict[str, dict], more: dict[str, dict]) -> dict[str, dict]:
+    """Add one scoring call's per-function stats (ScoredGroups.function_metrics) to ``into``."""
+    for label, s in more.items():
+        held = into.setdefault(label, {"sum": 0.0, "scored": 0, "failed": 0, "first_error": ""})
+        held["sum"] += s["sum"]
+        held["scored"] += s["scored"]
+        held["failed"] += s["failed"]
+        held["first_error"] = held["first_error"] or s["first_error"]
+    return into
 
 
 def mark_scored(cfg: GRPOConfig, ref: StepRef, *scores: dict, rollout: bool = False) -> dict[str, float]:

@@ -19,7 +19,7 @@ import importlib
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -28,7 +28,7 @@ from stages.tasks.addition import answer_of
 
 __all__ = ["RewardFn", "REWARDS", "overlong_penalty", "register_reward", "get_reward", "resolve_reward", "accepted_fields",
            "check_reward_functions", "RewardFunctionError", "RewardProcessError", "ScoredGroups",
-           "score_samples", "DEFAULT_MEMORY_LIMIT_BYTES"]
+           "score_samples", "reward_labels", "DEFAULT_MEMORY_LIMIT_BYTES"]
 
 RewardFn = Callable[..., float]
 REWARDS: dict[str, RewardFn] = {}
@@ -164,6 +164,13 @@ def overlong_penalty(length: np.ndarray, max_new_tokens: int, buffer: int, penal
     return (-penalty * over / buffer).astype(np.float32)
 
 
+def reward_labels(functions: Sequence[str]) -> list[str]:
+    """Short names of ``reward.functions`` for metric keys: the function's own name
+    (``mytask.rewards:score`` -> ``score``), its whole path (":" as ".") where two would share one."""
+    short = [name.rpartition(":")[2] for name in functions]
+    return [s if short.count(s) == 1 else name.replace(":", ".") for s, name in zip(short, functions)]
+
+
 @dataclass(frozen=True)
 class ScoredGroups:
     reward: np.ndarray  # [N] float32
@@ -171,6 +178,27 @@ class ScoredGroups:
     first_error: str = ""
     """Why the first failed sample failed ("function: ExceptionType: message", a time-out, a dead
     process, a non-finite value); empty when none failed."""
+    functions: tuple[str, ...] = ()
+    """The reward functions, in the order of ``by_function``'s columns."""
+    by_function: Optional[np.ndarray] = None
+    """[N, len(functions)] float64: each function's value per sample; NaN where it failed, or where the
+    sample's process timed out or died (then no function's value is known)."""
+    function_errors: tuple[str, ...] = ()
+    """Per function, why its first failed sample failed ("" if none did)."""
+
+    def function_metrics(self) -> dict[str, dict[str, Any]]:
+        """Per function label: {"sum", "scored", "failed", "first_error"} over these samples, for
+        the step's ``reward/<label>`` (mean over scored samples) and ``reward_failed/<label>`` metrics.
+        A sample whose process timed out or died is failed for every function."""
+        if self.by_function is None:
+            return {}
+        out = {}
+        for j, label in enumerate(reward_labels(self.functions)):
+            col = self.by_function[:, j]
+            ok = np.isfinite(col)
+            out[label] = {"sum": float(col[ok].sum()), "scored": int(ok.sum()), "failed": int((~ok).sum()),
+                          "first_error": self.function_errors[j]}
+        return out
 
 
 def score_samples(prompts: list[str], completions: list[str], functions: list[str], timeout_s: float,
@@ -188,18 +216,33 @@ def score_samples(prompts: list[str], completions: list[str], functions: list[st
     reward = np.zeros(len(prompts), dtype=np.float32)
     failed = np.zeros(len(prompts), dtype=bool)
     names = tuple(functions)
+    by_function = np.full((len(prompts), len(names)), math.nan)
+    errors = [""] * len(names)
     samples = [(p, c, {} if fields is None else fields[i]) for i, (p, c) in enumerate(zip(prompts, completions))]
     i, first_error = 0, ""
     while i < len(samples):  # a sample that kills or hangs the process ends a batch: go on on a fresh one
         proc = reward_process(names, memory_limit_bytes, _STARTUP_TIMEOUT_S)
-        for value in proc.score_many(samples[i:], timeout_s):
-            why = str(value) if isinstance(value, SampleFailed) else ""
-            value = math.nan if why else value
+        answers = proc.score_many(samples[i:], timeout_s)
+        proc.log_output()
+        for values in answers:
+            if isinstance(values, SampleFailed):  # which function was running is not known
+                why = str(values)
+                errors = [e or why for e in errors]
+            else:
+                why = ""  # this sample's first failure
+                for j, (name, value) in enumerate(zip(names, values)):
+                    if not isinstance(value, str) and math.isfinite(value):
+                        by_function[i, j] = value
+                        continue
+                    said = value if isinstance(value, str) else f"{name}: returned {value}, not a finite number"
+                    errors[j] = errors[j] or said
+                    why = why or said
+            total = float(by_function[i].sum())
             # Finite in float64 may still overflow the float32 column.
-            if math.isfinite(value) and abs(value) <= _FLOAT32_MAX:
-                reward[i] = value
+            if not why and math.isfinite(total) and abs(total) <= _FLOAT32_MAX:
+                reward[i] = total
             else:
                 failed[i] = True
-                first_error = first_error or why or f"{', '.join(names)}: returned {value}, not a finite number"
+                first_error = first_error or why or f"{', '.join(names)}: returned {total}, not a finite number"
             i += 1
-    return ScoredGroups(reward, failed, first_error)
+    return ScoredGroups(reward, failed, first_error, names, by_function, tuple(errors))

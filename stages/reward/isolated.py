@@ -19,19 +19,27 @@ daemonic and may not start :mod:`multiprocessing` children) and kept between cal
 * **clean-up**: the parent removes the folder when it closes the child; a parent that is killed
   (a worker lost to SIGKILL, or one exiting with its driver, runs no clean-up) closes the child's
   stdin, and the child removes the folder itself before it exits, also when that happens while it
-  is still starting.
+  is still starting. A child busy in a reward that never returns does not read its stdin: on Linux
+  it asks the kernel for SIGTERM when its parent goes (``PR_SET_PDEATHSIG``), removes its folder and
+  exits, so no reward child outlives its worker (short of a reward that holds the GIL in C code
+  forever, which no signal handler can interrupt).
+* **output**: what the functions print (stdout and stderr) goes to a file in the child's folder,
+  not to the worker's terminal; after each call the parent logs at most
+  :data:`OUTPUT_LOG_BYTES` of it, says how much more there was, and empties the file.
 
 Messages are length-prefixed pickles over the child's stdin and a duplicate of its stdout; fd 1 of
-the child is pointed at stderr, so a reward that prints does not corrupt the channel.
+the child is pointed at its output file, so a reward that prints does not corrupt the channel.
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import pickle
 import select
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -39,10 +47,18 @@ import tempfile
 import time
 from typing import Any, Optional
 
-__all__ = ["RewardProcess", "RewardProcessError", "SampleFailed", "close_reward_processes", "reward_process"]
+__all__ = ["OUTPUT_LOG_BYTES", "RewardProcess", "RewardProcessError", "SampleFailed", "close_reward_processes",
+           "reward_process"]
+
+log = logging.getLogger(__name__)
+
+OUTPUT_LOG_BYTES = 2048
+"""The most of a reward's printed output one scoring call logs (the rest is counted, not shown)."""
 
 _HEADER = struct.Struct(">Q")
 _FOLDER_PREFIX = "grpoflow-reward-"  # the child's working folder, which it may remove itself
+_OUTPUT_FILE = ".reward-output"  # in that folder: what the functions print
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _CHILD = "from stages.reward.isolated import _child_main; _child_main()"
 # Numeric libraries start a thread pool per core; each reserves address space that counts
 # against RLIMIT_AS, so the child keeps to one thread.
@@ -99,8 +115,10 @@ class RewardProcess:
         # The parent's import path, absolute, so the child imports the same modules from its own folder.
         path = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
         env = {**os.environ, **_THREAD_ENV, "PYTHONPATH": os.pathsep.join(path)}
-        self.proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     cwd=self._tmp.name, env=env, bufsize=0, close_fds=True)
+        self._output = os.path.join(self._tmp.name, _OUTPUT_FILE)
+        with open(self._output, "ab") as output:  # O_APPEND: the parent may empty it while the child writes
+            self.proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=output, cwd=self._tmp.name, env=env, bufsize=0, close_fds=True)
         try:
             _write_frame(self.proc.stdin.fileno(), (functions, memory_limit_bytes))
             kind, detail = _read_frame(self.proc.stdout.fileno(), time.monotonic() + startup_timeout_s)
@@ -109,9 +127,12 @@ class RewardProcess:
             raise RewardProcessError(f"reward process did not load {', '.join(functions)} within "
                                      f"{startup_timeout_s:.0f} s") from None
         except (EOFError, OSError):
+            self.proc.wait()
+            said = self._output_tail(400).strip().splitlines()
             self.close()
             raise RewardProcessError(f"reward process exited while loading {', '.join(functions)} (memory limit "
-                                     f"{memory_limit_bytes} bytes too low?)") from None
+                                     f"{memory_limit_bytes} bytes too low?)"
+                                     + (f"; its last output: {said[-1]}" if said else "")) from None
         if kind != "ready":
             self.close()
             raise RewardProcessError(f"reward process cannot load {', '.join(functions)}: {detail}")
@@ -121,12 +142,13 @@ class RewardProcess:
         return self.proc.poll() is None
 
     def score_many(self, samples: list[tuple[str, str, dict[str, Any]]], timeout_s: float
-                   ) -> list[float | SampleFailed]:
+                   ) -> list[list[float | str] | SampleFailed]:
         """Scores of ``samples`` (prompt, completion, fields), sent in one message and answered one
-        by one, each within ``timeout_s`` of the answer before it. A sample that runs past its
+        by one, each within ``timeout_s`` of the answer before it: per sample, each function's value
+        or, where it raised, "function: ExceptionType: message". A sample that runs past its
         limit or kills the child ends the list there: its entry is a SampleFailed, the child is
         stopped, and the samples after it are not in the result (score them on a fresh process)."""
-        out: list[float | SampleFailed] = []
+        out: list[list[float | str] | SampleFailed] = []
         try:
             _write_frame(self.proc.stdin.fileno(), samples)
             for _ in samples:
@@ -141,10 +163,38 @@ class RewardProcess:
             out.append(SampleFailed(f"reward process died (exit code {code})"))
         return out
 
+    def take_output(self, limit: int = OUTPUT_LOG_BYTES) -> tuple[str, int]:
+        """(the first ``limit`` bytes the functions printed since the last call, as text; how many
+        bytes they printed in all), and the file emptied."""
+        try:
+            with open(self._output, "rb+") as f:
+                head = f.read(limit)
+                total = f.seek(0, os.SEEK_END)
+                f.truncate(0)
+        except OSError:  # the child removed its folder (it is gone)
+            return "", 0
+        return head.decode("utf-8", errors="replace"), total
+
+    def _output_tail(self, limit: int) -> str:
+        try:
+            with open(self._output, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - limit))
+                return f.read().decode("utf-8", errors="replace")
+        except OSError:
+            return ""
+
+    def log_output(self) -> None:
+        """Log what the functions printed since the last call, at most :data:`OUTPUT_LOG_BYTES`."""
+        text, total = self.take_output()
+        if total:
+            more = f" ({total - len(text.encode())} more bytes not shown)" if total > OUTPUT_LOG_BYTES else ""
+            log.warning("reward output of %s%s:\n%s", ", ".join(self.functions), more, text.rstrip())
+
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+        self.log_output()  # what it printed before it was stopped, before its folder goes
         for stream in (self.proc.stdin, self.proc.stdout):
             if stream is not None:
                 stream.close()
@@ -179,10 +229,22 @@ def _child_main() -> None:
     SIGKILL (stdin closed or the answer pipe broken, start-up included: the parent died without its
     clean-up), remove the working folder the parent started it in."""
     folder = os.getcwd()
+    ours = os.path.basename(folder).startswith(_FOLDER_PREFIX)
+
+    def parent_gone(signum, frame) -> None:
+        if ours:
+            shutil.rmtree(folder, ignore_errors=True)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, parent_gone)
+    if sys.platform.startswith("linux"):  # SIGTERM when the parent goes, busy or not
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     try:
         _serve()
     finally:
-        if os.path.basename(folder).startswith(_FOLDER_PREFIX):
+        if ours:
             shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -193,7 +255,7 @@ def _serve() -> None:
     from stages.reward import accepted_fields, resolve_reward
 
     out_fd, in_fd = os.dup(1), os.dup(0)
-    os.dup2(2, 1)  # print() in a reward goes to stderr, not into the channel
+    os.dup2(2, 1)  # print() in a reward goes to the output file (stderr), not into the channel
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     sys.stdout = sys.stderr
@@ -212,13 +274,11 @@ def _serve() -> None:
         except EOFError:
             return
         for prompt, completion, fields in samples:  # one answer per sample, as soon as it is scored
-            name = functions[0]
-            try:
-                total = 0.0
-                for name, (fn, accepted) in zip(functions, loaded):
-                    kwargs = fields if accepted is None else {k: v for k, v in fields.items() if k in accepted}
-                    total += float(fn(prompt=prompt, completion=completion, **kwargs))
-                reply: tuple[str, Any] = ("ok", total)
-            except BaseException as exc:  # MemoryError, SystemExit from user code: a failed sample
-                reply = ("error", f"{name}: {type(exc).__name__}: {str(exc)[:300]}")
-            _write_frame(out_fd, reply)
+            values: list[float | str] = []  # each function's value, or why it failed
+            for name, (fn, accepted) in zip(functions, loaded):
+                kwargs = fields if accepted is None else {k: v for k, v in fields.items() if k in accepted}
+                try:
+                    values.append(float(fn(prompt=prompt, completion=completion, **kwargs)))
+                except BaseException as exc:  # MemoryError, SystemExit from user code: a failed sample
+                    values.append(f"{name}: {type(exc).__name__}: {str(exc)[:300]}")
+            _write_frame(out_fd, ("ok", values))

@@ -12,8 +12,10 @@ import transformers  # a test dependency: the published policy must load into it
 import zarr
 
 from flows.config import load_config
-from flows.loop import run
+from flows.iteration import STAGES as LOOP_STAGES
+from flows.loop import format_summary, run
 from storage.lineage import iteration_runs
+from storage.plots import save_run_plots
 from storage.policies import PolicyStore
 from storage.rollouts import RolloutStore
 
@@ -115,7 +117,7 @@ def test_timeline_has_forward_and_backward_per_rank(finished_run):
         assert kinds.count("F") == m and kinds.count("B") == m
 
 
-def test_rerun_resumes_after_the_last_published_step(finished_run):
+def test_rerun_resumes_after_the_last_published_step(finished_run, tmp_path):
     cfg, summary, run_dir = finished_run
     # A crash between train and publish of step 1: every shard of v2 is on disk (train is marked),
     # v2's manifest and step 1's publish mark are not.
@@ -134,3 +136,9 @@ def test_rerun_resumes_after_the_last_published_step(finished_run):
     assert policies.ref(2).sha256 == sha_v2  # v2 published from the shards step 1 wrote
     assert store.attrs(2)["policy_version"] == 2 and STAGES <= store.completed(2)
     assert policies.is_complete(3)
+    # The closing line and the plots cover the earlier process's step too, not only this one's.
+    assert resumed.first_step_here == 1
+    assert format_summary(resumed).splitlines()[0].startswith("run e2e: 3 iterations, 2 of them (from step 1) in")
+    drawn = (run_dir / "plots" / "reward.png").read_bytes()
+    assert save_run_plots(resumed.metrics, tmp_path / "all", LOOP_STAGES)[0].read_bytes() == drawn
+    assert save_run_plots(resumed.metrics[1:], tmp_path / "here", LOOP_STAGES)[0].read_bytes() != drawn

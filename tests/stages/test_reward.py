@@ -242,3 +242,71 @@ def test_the_first_failure_is_told_with_its_function():
     nan = score_samples(["1+1="], ["2"], ["tests.flows.nonfinite_rewards:nan_reward"], 5.0)
     assert nan.first_error.endswith("returned nan, not a finite number")
     assert score_samples(["1+1="], ["2"], ["exact_match"], 5.0).first_error == ""
+
+
+def loud(prompt: str, completion: str) -> float:
+    """Prints ``completion`` times 64 KiB of x, then scores 0.5."""
+    print("x" * (int(completion) << 16))
+    return 0.5
+
+
+def test_each_function_is_scored_and_its_failures_counted_on_its_own():
+    from stages.reward import reward_labels
+
+    functions = ["exact_match", f"{HERE}:faulty", f"{HERE}:plain"]
+    scored = score_samples(["1+1="] * 4, ["2", "raise", "nan", "sleep"], functions, timeout_s=1.0,
+                           fields=[{"answer": "2"}] * 4)
+    assert reward_labels(functions) == ["exact_match", "faulty", "plain"]
+    np.testing.assert_array_equal(scored.failed, [False, True, True, True])
+    # faulty raised or returned NaN: exact_match and plain still scored those samples; the sleep
+    # killed the process, so no function's value is known for it.
+    np.testing.assert_array_equal(scored.by_function[:3], [[1.0, 2.0, 1.0], [0.0, math.nan, 5.0],
+                                                           [0.0, math.nan, 3.0]])
+    assert np.isnan(scored.by_function[3]).all()
+    stats = scored.function_metrics()
+    assert stats["exact_match"] == {"sum": 1.0, "scored": 3, "failed": 1,
+                                    "first_error": "reward ran past 1.0 s; its process was killed"}
+    assert stats["faulty"]["failed"] == 3 and stats["faulty"]["scored"] == 1
+    assert stats["faulty"]["first_error"] == f"{HERE}:faulty: RuntimeError: boom"
+    assert stats["plain"]["sum"] == 9.0 and stats["plain"]["failed"] == 1
+    assert scored.first_error == f"{HERE}:faulty: RuntimeError: boom"
+    assert reward_labels(["a.x:score", "b.y:score", "z"]) == ["a.x.score", "b.y.score", "z"]
+
+
+def test_a_reward_that_prints_a_lot_is_logged_capped(caplog):
+    from stages.reward.isolated import OUTPUT_LOG_BYTES
+
+    with caplog.at_level("WARNING", logger="stages.reward.isolated"):
+        scored = score_samples(["p"] * 3, ["4", "4", "4"], [f"{HERE}:loud"], timeout_s=10.0)
+    assert not scored.failed.any() and (scored.reward == 0.5).all()
+    said = [r.getMessage() for r in caplog.records if "reward output" in r.getMessage()]
+    assert len(said) == 1, said  # one message for the call, not 768 KiB of x
+    assert len(said[0]) < OUTPUT_LOG_BYTES + 200 and f"({3 * (4 << 16) + 3 - OUTPUT_LOG_BYTES} more bytes" in said[0]
+
+
+def _hold_hanging_reward(queue) -> None:
+    from stages.reward.isolated import reward_process
+
+    proc = reward_process((f"{HERE}:faulty",), None, 60.0)
+    queue.put((proc._tmp.name, proc.proc.pid))
+    proc.score_many([("p", "sleep", {})], timeout_s=600.0)  # the parent is killed in here
+
+
+def test_a_reward_that_hangs_dies_with_its_parent():
+    """A child busy in a reward reads no stdin: it goes on the parent's death signal, folder removed."""
+    import multiprocessing as mp
+    import signal
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    parent = ctx.Process(target=_hold_hanging_reward, args=(queue,), daemon=True)
+    parent.start()
+    folder, child = queue.get(timeout=60)
+    time.sleep(1.0)  # the child is in time.sleep(60) now
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.join(timeout=10)
+    deadline = time.monotonic() + 20
+    while (os.path.exists(folder) or _alive(child)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child), "a hanging reward process outlived its parent"
+    assert not os.path.exists(folder)

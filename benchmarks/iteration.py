@@ -140,7 +140,7 @@ def baseline_iterations(cfg: GRPOConfig, policy_path: str, device: str = "cpu") 
     dev = torch.device(device)
     policy.to(dev)
     reference.to(dev)
-    codec = TextCodec.from_policy_folder(policy_path, cfg.dataset.chat_template)
+    codec = TextCodec.from_policy_folder(policy_path, cfg.dataset.chat_template, cfg.dataset.system_prompt)
     source = open_prompt_source(cfg.dataset, codec, cfg.task.prompts_per_step)
     t, G = cfg.train, cfg.rollout.group_size
     loss_cfg = train_setup(t, model_cfg, cfg.num_microbatches, cfg.rollout.temperature).loss

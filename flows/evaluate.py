@@ -87,7 +87,7 @@ def evaluate_version(cfg: GRPOConfig, folder: RunFolder, policy: PolicyRef) -> d
         return done
     t0 = time.perf_counter()
     e = cfg.eval
-    codec = TextCodec.from_policy_folder(policy.path, cfg.dataset.chat_template)
+    codec = TextCodec.from_policy_folder(policy.path, cfg.dataset.chat_template, cfg.dataset.system_prompt)
     records = eval_records(cfg, codec)
     # The eval engine of this process: never a rollout engine, whose held version it would change.
     width = max(len(rec.prompt_ids) for rec in records) + (e.max_new_tokens or cfg.rollout.max_new_tokens)

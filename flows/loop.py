@@ -428,7 +428,8 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
     def codec(policy_path: str) -> TextCodec:
         """The run's tokenizer, read once: every version is published with the base policy's."""
         if not codecs:
-            codecs.append(TextCodec.from_policy_folder(policy_path, cfg.dataset.chat_template))
+            codecs.append(TextCodec.from_policy_folder(policy_path, cfg.dataset.chat_template,
+                                                       cfg.dataset.system_prompt))
         return codecs[0]
 
     prepared: dict[int, Future] = {}  # step -> whether prepare_step created its group

@@ -204,7 +204,7 @@ def check_task_prompts(cfg: GRPOConfig) -> None:
     from stages.policy.tokenizer import TextCodec
 
     try:
-        codec = TextCodec.from_policy_folder(cfg.model.path, cfg.dataset.chat_template)
+        codec = TextCodec.from_policy_folder(cfg.model.path, cfg.dataset.chat_template, cfg.dataset.system_prompt)
     except Exception as exc:
         raise _model_error(Path(cfg.model.path), f"tokenizer.json cannot be used: "
                                                  f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from None

@@ -126,9 +126,10 @@ class WorkerState:
         run carries the same tokenizer, so it is parsed once per worker, not once per version, and
         a run folder made again with another tokenizer (a notebook on a live cluster) gets a codec
         of its own instead of the one cached under the same path."""
-        key = (_tokenizer_digest(policy_path), cfg.dataset.chat_template)
+        key = (_tokenizer_digest(policy_path), cfg.dataset.chat_template, cfg.dataset.system_prompt)
         if key not in self.codecs:
-            self.codecs[key] = TextCodec.from_policy_folder(policy_path, cfg.dataset.chat_template)
+            self.codecs[key] = TextCodec.from_policy_folder(policy_path, cfg.dataset.chat_template,
+                                                            cfg.dataset.system_prompt)
         return self.codecs[key]
 
     def records(self, cfg: GRPOConfig, policy_path: str, step: int, first: int, stop: int,

@@ -26,7 +26,9 @@ class DatasetConfig:
     path: Optional[str] = None
     """The file (jsonl, parquet) or folder (hf); unset for ``addition``."""
     prompt_field: str = "prompt"
-    """Field holding the prompt text (a string)."""
+    """Field holding the prompt: a string, or a list of chat messages ``{"role", "content"}`` (roles
+    system, user, assistant) ending in a user turn, rendered by the chat template as given. Rewards
+    receive the prompt text as ``prompt=`` (a messages list: its last user message)."""
     answer_field: Optional[str] = "answer"
     """Field holding the ground truth, passed to reward functions as ``answer=`` (as a string);
     unset: records carry no answer. Every other field is passed to rewards under its own name."""
@@ -46,6 +48,10 @@ class DatasetConfig:
     chat_template: bool = True
     """Render each prompt with the policy tokenizer's chat template (one user message, the
     generation prompt added), when the tokenizer folder has one; false: the raw text (plus BOS)."""
+    system_prompt: Optional[str] = None
+    """A system message before every prompt (e.g. "Answer with the number only."); unset: the chat
+    template's own default, if it has one. A messages-list prompt with its own system message keeps
+    that one. Without a chat template it is put before the prompt text, a blank line between."""
     num_digits: int = 2
     """``addition`` only: operands are drawn uniformly from [0, 10**num_digits)."""
 
@@ -69,5 +75,7 @@ class DatasetConfig:
                                "the ground-truth field, or unset dataset.answer_field")
         if self.epochs is not None and self.epochs < 1:
             raise DatasetError(f"dataset.epochs={self.epochs} must be >= 1 (or unset to repeat the data)")
+        if self.system_prompt is not None and not self.system_prompt.strip():
+            raise DatasetError("dataset.system_prompt is empty: give the system message's text, or unset it")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise DatasetError(f"dataset.max_prompt_tokens={self.max_prompt_tokens} must be >= 1 (or unset)")

@@ -24,9 +24,12 @@ class RawRecord:
     where: str
     """``path:line 7`` or ``path row 6``; every error about the record starts with it."""
     prompt: str
+    """The prompt text (of a messages list: its last user message)."""
     answer: Optional[str]
     fields: dict[str, Any] = field(default_factory=dict)
     """Every other field, passed to reward functions by name."""
+    messages: Optional[tuple[dict[str, str], ...]] = None
+    """The chat messages when the prompt field holds a list; None for a text prompt."""
 
 
 _MISSING = object()  # a field absent from the record (None is a present null)
@@ -53,8 +56,13 @@ def _record(where: str, row: dict[str, Any], cfg: DatasetConfig) -> RawRecord:
     if prompt is _MISSING:
         raise DatasetError(f"{where}: missing field {cfg.prompt_field!r} (dataset.prompt_field); "
                            f"fields: {', '.join(map(str, row)) or 'none'}")
-    if not isinstance(prompt, str):
-        raise DatasetError(f"{where}: field {cfg.prompt_field!r} is {type(prompt).__name__}, not a string")
+    messages = None
+    if isinstance(prompt, (list, tuple)):
+        messages = _messages(where, prompt, cfg.prompt_field)
+        prompt = messages[-1]["content"]
+    elif not isinstance(prompt, str):
+        raise DatasetError(f"{where}: field {cfg.prompt_field!r} is {type(prompt).__name__}, not a string "
+                           "or a list of chat messages")
     if not prompt.strip():
         raise DatasetError(f"{where}: field {cfg.prompt_field!r} is empty")
     answer = None
@@ -66,7 +74,29 @@ def _record(where: str, row: dict[str, Any], cfg: DatasetConfig) -> RawRecord:
         if name in taken:
             raise DatasetError(f"{where}: field {name!r} clashes with the reward argument of that name; "
                                "rename it in the data or point dataset.prompt_field / answer_field at it")
-    return RawRecord(where, prompt, answer, fields)
+    return RawRecord(where, prompt, answer, fields, messages)
+
+
+_ROLES = ("system", "user", "assistant")
+
+
+def _messages(where: str, value: list | tuple, name: str) -> tuple[dict[str, str], ...]:
+    """A prompt field's chat messages, checked: {"role", "content"} each, known roles, strings,
+    the last a user turn."""
+    if not value:
+        raise DatasetError(f"{where}: field {name!r} is an empty list of messages")
+    out = []
+    for k, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DatasetError(f"{where}: field {name!r} message {k} is not {{\"role\": str, \"content\": str}}")
+        if m["role"] not in _ROLES:
+            raise DatasetError(f"{where}: field {name!r} message {k} has role {m['role']!r}, not one of "
+                               f"{', '.join(_ROLES)}")
+        out.append({"role": m["role"], "content": m["content"]})
+    if out[-1]["role"] != "user":
+        raise DatasetError(f"{where}: field {name!r} ends in a {out[-1]['role']!r} message; the last must be "
+                           "the user's turn the model answers")
+    return tuple(out)
 
 
 def _answer_text(where: str, value: Any, name: str) -> str:

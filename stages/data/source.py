@@ -37,7 +37,7 @@ class PromptCodec(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
-    def encode_prompt(self, text: str) -> list[int]: ...
+    def encode_prompt(self, prompt: Any) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -112,10 +112,17 @@ class FilePromptSource:
         return len(self._records)
 
     def _tokenise(self, index: int, raw: RawRecord, codec: PromptCodec) -> PromptRecord:
-        text, ids = raw.prompt, codec.encode_prompt(raw.prompt)
+        try:
+            text, ids = raw.prompt, codec.encode_prompt(raw.messages or raw.prompt)
+        except ValueError as exc:  # a messages list without a chat template
+            raise DatasetError(f"{raw.where}: {exc}") from None
         limit = self.cfg.max_prompt_tokens
         if limit is not None and len(ids) > limit:
-            if self.cfg.overflow == "refuse":
+            if self.cfg.overflow == "refuse" or raw.messages:
+                if raw.messages:
+                    raise DatasetError(f"{raw.where}: field {self.cfg.prompt_field!r} is {len(ids)} tokens, over "
+                                       f"dataset.max_prompt_tokens={limit}; a messages list is not truncated: "
+                                       "raise the limit or shorten the messages")
                 raise DatasetError(f"{raw.where}: field {self.cfg.prompt_field!r} is {len(ids)} tokens, over "
                                    f"dataset.max_prompt_tokens={limit}; raise it or set dataset.overflow=truncate")
             text, ids = _truncate(raw, codec, limit)

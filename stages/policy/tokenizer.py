@@ -17,22 +17,26 @@ Two ways in:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from tokenizers import Tokenizer
 
 from stages.files import file_stamp
 
-__all__ = ["CODEC_FILES", "TextCodec", "TokenizerFolderError", "codec_files_digest", "codec_files_stamp",
+__all__ = ["CODEC_FILES", "Prompt", "TextCodec", "TokenizerFolderError", "codec_files_digest", "codec_files_stamp",
            "render_chat_template"]
 
 CODEC_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                "chat_template.jinja")
 """Every file of a policy folder that :meth:`TextCodec.from_policy_folder` may read."""
+Prompt = Union[str, Sequence[Mapping[str, str]]]
+"""A user prompt's text, or chat messages ({"role", "content"}) ending in a user turn."""
 
 
 def codec_files_stamp(path: str | Path) -> tuple:
@@ -72,6 +76,10 @@ class TextCodec:
     """True for tokenizers without a post-processor: :meth:`encode_prompt` prepends ``bos_id``."""
     bos_token: Optional[str] = None
     eos_token: Optional[str] = None
+    system_prompt: Optional[str] = None
+    """A system message put before every prompt (dataset.system_prompt): with a chat template, as
+    its first message (unless a messages-list prompt brings its own); without, as text and a blank
+    line before the prompt."""
 
     def __post_init__(self) -> None:
         if not self.eos_ids:
@@ -87,17 +95,18 @@ class TextCodec:
         return cls(tok, ids[0], (ids[1],), ids[2], prepend_bos=True, bos_token=bos, eos_token=eos)
 
     @classmethod
-    def from_policy_folder(cls, path: str | Path, use_chat_template: bool = True) -> "TextCodec":
+    def from_policy_folder(cls, path: str | Path, use_chat_template: bool = True,
+                           system_prompt: Optional[str] = None) -> "TextCodec":
         """A policy version's tokenizer: an HF folder (:meth:`from_folder`) when it carries
         tokenizer_config.json or generation_config.json, else the built-in tiny tokenizer's lone
-        tokenizer.json with its literal special tokens (:meth:`from_json`)."""
+        tokenizer.json with its literal special tokens (:meth:`from_json`); with ``system_prompt``."""
         folder = Path(path)
         if (folder / "tokenizer_config.json").is_file() or (folder / "generation_config.json").is_file():
-            return cls.from_folder(folder, use_chat_template)
+            return dataclasses.replace(cls.from_folder(folder, use_chat_template), system_prompt=system_prompt)
         tok_file = folder / "tokenizer.json"
         if not tok_file.is_file():
             raise TokenizerFolderError(f"{tok_file}: not found; a policy folder needs its tokenizer.json")
-        return cls.from_json(tok_file.read_text())
+        return dataclasses.replace(cls.from_json(tok_file.read_text()), system_prompt=system_prompt)
 
     @classmethod
     def from_folder(cls, path: str | Path, use_chat_template: bool = True) -> "TextCodec":
@@ -152,17 +161,30 @@ class TextCodec:
         """Ids of plain text, no special tokens added."""
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def render_prompt(self, text: str) -> str:
-        """The text the model sees for a user prompt: the chat template rendered, or the text itself."""
+    def messages(self, prompt: Prompt) -> list[dict[str, str]]:
+        """The chat messages of a prompt (a user text, or a messages list ending in a user turn),
+        the system prompt first unless the list has a system message of its own."""
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+        if self.system_prompt is not None and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        return messages
+
+    def render_prompt(self, prompt: Prompt) -> str:
+        """The text the model sees for a prompt: the chat template rendered, or (no template) the
+        text itself after the system prompt; a messages list needs a template."""
         if self.chat_template is None:
-            return text
-        return render_chat_template(self.chat_template, [{"role": "user", "content": text}],
+            if not isinstance(prompt, str):
+                raise ValueError("a messages-list prompt needs a chat template: the tokenizer has none, or "
+                                 "dataset.chat_template is false")
+            return prompt if self.system_prompt is None else f"{self.system_prompt}\n\n{prompt}"
+        return render_chat_template(self.chat_template, self.messages(prompt),
                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
-    def encode_prompt(self, text: str) -> list[int]:
-        """Ids of a user prompt as the policy receives it (template and BOS included)."""
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """Ids of a prompt (user text or messages list) as the policy receives it (template and BOS included)."""
+        text = self.render_prompt(prompt)
         if self.chat_template is not None:
-            return self.encode(self.render_prompt(text))
+            return self.encode(text)
         if self.prepend_bos:
             return ([] if self.bos_id is None else [self.bos_id]) + self.encode(text)
         return self.tokenizer.encode(text, add_special_tokens=True).ids
@@ -170,10 +192,11 @@ class TextCodec:
     def decode_prompt(self, ids: list[int]) -> str:
         """The user text of prompt ids :meth:`encode_prompt` made: the chat template's text around it
         (a system prompt, role markers) cut off when the ids render it; else :meth:`decode`."""
-        if self.chat_template is not None:
-            marker = "\x00"
+        marker = "\x00"
+        if self.chat_template is not None or self.system_prompt is not None:
             head, _, tail = self.render_prompt(marker).partition(marker)
-            text = self.tokenizer.decode(list(ids), skip_special_tokens=False)
+            text = (self.tokenizer.decode(list(ids), skip_special_tokens=False) if self.chat_template
+                    else self.decode(ids))
             if text.startswith(head) and text.endswith(tail) and len(text) >= len(head) + len(tail):
                 return text[len(head):len(text) - len(tail)]
         return self.decode(ids)

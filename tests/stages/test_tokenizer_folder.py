@@ -152,3 +152,56 @@ def test_builtin_tokenizer_still_prepends_bos():
     codec = TextCodec.from_json(make_tokenizer_json())
     assert codec.encode_prompt("12+34=") == [codec.bos_id] + codec.encode("12+34=")
     assert codec.eos_ids == (codec.eos_id,)
+
+
+@pytest.mark.parametrize("folder_name", ["llama_folder", "qwen_folder"])
+def test_system_prompt_and_messages_lists_render_as_transformers_does(folder_name, request):
+    """dataset.system_prompt goes first as a system message; a messages-list prompt renders as given
+    (its own system message kept); the sample table still shows the user's text."""
+    folder = request.getfixturevalue(folder_name)
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    system = "Answer with the number only."
+    codec = TextCodec.from_policy_folder(folder, system_prompt=system)
+    text = _SENTENCES[0]
+    with_system = [{"role": "system", "content": system}, {"role": "user", "content": text}]
+    assert codec.encode_prompt(text) == _hf_ids(hf.apply_chat_template(with_system, tokenize=True,
+                                                                      add_generation_prompt=True))
+    assert codec.encode_prompt(text) != TextCodec.from_policy_folder(folder).encode_prompt(text)
+    assert codec.decode_prompt(codec.encode_prompt(text)) == text
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+             {"role": "assistant", "content": "4"}, {"role": "user", "content": text}]
+    assert codec.encode_prompt(turns) == _hf_ids(hf.apply_chat_template(turns, tokenize=True,
+                                                                       add_generation_prompt=True))
+
+
+def test_messages_list_records_are_read_checked_and_encoded(tmp_path, llama_folder):
+    from stages.data import DatasetConfig, DatasetError, open_prompt_source
+
+    turns = [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"},
+             {"role": "user", "content": "And 2+3?"}]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ({"prompt": turns, "answer": 5}, {"prompt": "7+1?", "answer": 8})))
+    codec = TextCodec.from_folder(llama_folder)
+    records = open_prompt_source(DatasetConfig(kind="jsonl", path=str(path), shuffle=False), codec, 2).records(0)
+    assert [r.prompt for r in records] == ["And 2+3?", "7+1?"]  # rewards get the last user turn as prompt=
+    assert records[0].prompt_ids == tuple(codec.encode_prompt(turns)) and records[0].answer == "5"
+    for bad, message in [([], "is an empty list of messages"),
+                         ([{"role": "user"}], r"message 0 is not \{\"role\": str, \"content\": str\}"),
+                         ([{"role": "tool", "content": "x"}], "message 0 has role 'tool'"),
+                         (turns[:2], "ends in a 'assistant' message")]:
+        path.write_text(json.dumps({"prompt": bad, "answer": 1}) + "\n")
+        with pytest.raises(DatasetError, match=r"chat.jsonl:line 1: field 'prompt' " + message):
+            open_prompt_source(DatasetConfig(kind="jsonl", path=str(path)), codec, 1)
+    path.write_text(json.dumps({"prompt": turns, "answer": 1}) + "\n")
+    with pytest.raises(DatasetError, match="line 1: a messages-list prompt needs a chat template"):
+        open_prompt_source(DatasetConfig(kind="jsonl", path=str(path)), TextCodec.from_json(make_tokenizer_json()), 1)
+    with pytest.raises(DatasetError, match="dataset.system_prompt is empty"):
+        DatasetConfig(kind="jsonl", path=str(path), system_prompt=" ")
+
+
+def test_system_prompt_without_a_template_goes_before_the_text(llama_folder):
+    plain = TextCodec.from_folder(llama_folder, use_chat_template=False)
+    told = TextCodec.from_policy_folder(llama_folder, use_chat_template=False, system_prompt="Be brief.")
+    text = _SENTENCES[1]
+    assert told.encode_prompt(text) == plain.encode_prompt(f"Be brief.\n\n{text}")
+    assert told.decode_prompt(told.encode_prompt(text)) == text

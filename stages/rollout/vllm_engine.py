@@ -71,7 +71,7 @@ class VLLMEngine:
 
     def __init__(self, *, python: str | None = None, threads: int = 1, dtype: torch.dtype = torch.float32,
                  max_model_len: int, max_num_seqs: int = 256, kv_cache_bytes: int = 0, kv_cache_seqs: int = 0,
-                 timeout_s: float = 600.0, compile: bool = False):
+                 timeout_s: float = 600.0, compile: bool = False, max_num_batched_tokens: int = 0):
         self.python = python or default_vllm_python()
         if not Path(self.python).exists():
             raise EngineError(f"rollout.engine=vllm: no vLLM environment at {self.python}; run `make vllm` "
@@ -81,6 +81,7 @@ class VLLMEngine:
         self.threads, self.dtype, self.timeout_s, self.compile = threads, dtype, timeout_s, compile
         self.max_model_len, self.max_num_seqs, self.kv_cache_bytes = max_model_len, max_num_seqs, kv_cache_bytes
         self.kv_cache_seqs = min(kv_cache_seqs or max_num_seqs, max_num_seqs)
+        self.max_num_batched_tokens = max_num_batched_tokens  # 0: vLLM's default budget (server side)
         self.starts = 0  # server processes started
         self.restarts = 0  # of them, started again within a call after the server died
         self._unreported = [0, 0.0]  # starts and their seconds since the last generate's metrics
@@ -164,6 +165,7 @@ class VLLMEngine:
         self._conn = Connection(ours.detach())
         reply = self._call("start", model=folder, dtype=_DTYPES[self.dtype], max_model_len=self.max_model_len,
                            max_num_seqs=self.max_num_seqs, compile=self.compile,
+                           max_num_batched_tokens=self.max_num_batched_tokens,
                            kv_cache_bytes=self.kv_cache_bytes or self._kv_cache_bytes(folder))
         self.starts += 1
         self._unreported[0] += 1

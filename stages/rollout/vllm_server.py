@@ -55,11 +55,18 @@ class _Server:
         self.llm = None
 
     def start(self, model: str, dtype: str, max_model_len: int, max_num_seqs: int, kv_cache_bytes: int,
-              compile: bool = False) -> dict:
+              compile: bool = False, max_num_batched_tokens: int = 0) -> dict:
         from vllm import LLM
+        from vllm.config import SchedulerConfig
 
         t0 = time.perf_counter()
+        # No chunked prefill: a prompt split over two scheduler steps makes vLLM rewind its seeded
+        # generator (Generator.set_offset), which a CPU generator refuses; whole prompts only, so the
+        # budget holds at least the longest sequence and one token per live sequence.
+        budget = max(max_num_batched_tokens or SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len,
+                     max_num_seqs)
         self.llm = LLM(model=model, skip_tokenizer_init=True, dtype=dtype, seed=0, max_model_len=max_model_len,
+                       enable_chunked_prefill=False, max_num_batched_tokens=budget,
                        max_num_seqs=max_num_seqs, kv_cache_memory_bytes=kv_cache_bytes, enable_prefix_caching=True,
                        logprobs_mode="processed_logprobs", enforce_eager=True,
                        **({} if compile else {"compilation_config": {"mode": 0}}))

@@ -159,3 +159,21 @@ def test_a_missing_environment_or_folder_is_one_line(tmp_path, versions):
         assert engine.version is None
     finally:
         engine.close()
+
+
+def test_more_prompt_tokens_than_one_scheduler_step_holds(versions):
+    """Prompts whose prefill exceeds the scheduler's token budget are scheduled whole over several
+    steps; a split prompt would make vLLM rewind its seeded CPU generator, which torch refuses
+    ("CPU Generator does not use offset": the held-out evaluation of a SmolLM2 run met it)."""
+    cfg, states, refs = versions
+    engine = RolloutEngine(_engine(max_num_batched_tokens=32))
+    try:
+        engine.load(PolicyWeights(1, refs[1].path, refs[1].sha256))
+        prompts = [[1] + [3 + (i + k) % 20 for k in range(9)] for i in range(12)]  # 120 prompt tokens
+        params = SamplingParams(2, 4, 1.0, stop_ids=(2,), pad_id=0)
+        batch = engine.generate(1, prompts, params, seed=5)
+        assert batch.tokens.shape == (24, 4) and (batch.length >= 1).all()
+        again = engine.generate(1, prompts, params, seed=5)
+        np.testing.assert_array_equal(batch.tokens, again.tokens)
+    finally:
+        engine.close()

@@ -43,18 +43,39 @@ def _scalar(value: Any) -> str:
 
 
 def _comment(text: str, indent: str) -> list[str]:
+    """``text`` as comment lines wrapped at :data:`_WIDTH`: a line that goes on the sentence of the
+    one before is joined to it first (so a source line break never leaves a one-word line); blank
+    lines, list items and indented lines start lines of their own."""
+    paras: list[str] = []
+    for line in text.splitlines() or [""]:
+        starts_own = not line.strip() or line.lstrip().startswith(("-", "*")) or line.startswith(" ")
+        if paras and paras[-1].strip() and not starts_own:
+            paras[-1] += " " + line.strip()
+        else:
+            paras.append(line)
     lines = []
-    for para in text.splitlines() or [""]:
-        lines.extend(textwrap.wrap(para, _WIDTH - len(indent) - 2) or [""])
+    for para in paras:
+        lines.extend(textwrap.wrap(para, _WIDTH - len(indent) - 2, break_on_hyphens=False, break_long_words=False)
+                     or [""])
     return [f"{indent}# {line}".rstrip() for line in lines]
+
+
+def _notes(cfg: Any) -> dict[str, str]:
+    """Notes a section gives on its own fields as resolved (``describe_notes()``: e.g. keys not in
+    effect), shown above the field."""
+    notes = getattr(cfg, "describe_notes", None)
+    return notes() if callable(notes) else {}
 
 
 def describe_config(cfg: Any, indent: str = "") -> str:
     """``cfg`` as YAML that loads back to the same config, each key preceded by its documentation."""
     docs = field_docs(type(cfg))
+    notes = _notes(cfg)
     out: list[str] = []
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
+        if f.name in notes:
+            out.extend(_comment(notes[f.name], indent))
         if f.name in docs:
             out.extend(_comment(docs[f.name], indent))
         if dataclasses.is_dataclass(value):

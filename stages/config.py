@@ -9,9 +9,11 @@ span sections) is flows/schema.py. Each field is documented once, here. Validati
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional, Union
 
 from stages.layout import SCHEDULES, ModelShape, ParallelLayout, attention_bias_of, layer_split_error
@@ -95,6 +97,22 @@ class ModelConfig:
     num_key_value_heads: int = 2
     tie_word_embeddings: bool = False
     rope_theta: float = 10000.0
+
+    def describe_notes(self) -> dict[str, str]:
+        """With a model folder, the built-in model's keys below are not what runs: say so, and what does."""
+        if not self.path:
+            return {}
+        folder = Path(self.path)
+        try:
+            hf = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+            sizes = ", ".join(f"{k} {hf[k]}" for k in ("model_type", "hidden_size", "intermediate_size",
+                                                        "num_hidden_layers", "num_attention_heads",
+                                                        "num_key_value_heads", "vocab_size",
+                                                        "tie_word_embeddings") if k in hf)
+        except (OSError, ValueError):
+            sizes = "unreadable here"
+        return {"model_type": f"NOT IN EFFECT from here to the end of model: (the built-in model's keys): "
+                              f"{folder / 'config.json'} sets the model: {sizes}."}
 
     def __post_init__(self) -> None:
         _require(

@@ -77,6 +77,32 @@ def test_config_prints_documented_yaml_that_loads_back(tmp_path):
     assert load_config(out) == load_config("configs/tiny.yaml", ["iterations=7", "train.schedule=gpipe"])
 
 
+def test_config_says_the_built_in_model_keys_are_not_in_effect_with_a_model_folder(tmp_path):
+    """With model.path set the listing says which folder sets the model, with its sizes; the
+    built-in keys stay (the YAML still loads back) under that note. Comments wrap without one-word lines."""
+    import json
+
+    from flows.describe import describe_config
+    from stages.config import ModelConfig
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 576,
+                                                      "num_hidden_layers": 30}))
+    shown = describe_config(ModelConfig(path=str(tmp_path)))
+    assert (f"NOT IN EFFECT from here to the end of model: (the built-in model's keys): {tmp_path / 'config.json'} "
+            "sets the model: model_type llama, hidden_size 576, num_hidden_layers 30.") in " ".join(
+                line.removeprefix("# ") for line in shown.splitlines())
+    assert shown.index("NOT IN EFFECT") < shown.index("model_type: llama") and "hidden_size: 64" in shown
+    assert "NOT IN EFFECT" not in describe_config(ModelConfig())
+    from flows.config import load_config
+
+    # rollout.max_num_seqs's docstring has source lines longer than the listing's: joined, then wrapped.
+    lines = describe_config(load_config("configs/tiny.yaml")).splitlines()
+    i = lines.index("  max_num_seqs: 256")
+    doc = [line.strip().removeprefix("# ") for line in lines[i - 4: i]]
+    assert all(len(line) > 40 for line in doc[:-1]), doc  # no line cut short but the paragraph's last
+    assert "so hold an engine's whole share there" in " ".join(doc)
+
+
 def test_config_into_a_reader_that_leaves_early_is_quiet():
     """``grpoflow config | head`` closes the pipe after a few lines: no BrokenPipeError traceback."""
     proc = subprocess.Popen(GRPOFLOW + ["config", "configs/tiny.yaml"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -6,7 +6,9 @@ with one end of a socket pair as its only channel: no port, no file, nobody else
 file imports nothing of the project, only the standard library, torch, safetensors and vLLM.
 
 Requests (dicts over ``multiprocessing.connection``; every reply is a dict, ``{"error": "..."}``
-when the request failed, and the process goes on):
+when the request failed, and the process goes on, except after a failed ``generate``: vLLM's engine
+may still hold that call's requests, and a later call would run them too, so the process answers
+and exits, and the client starts a fresh one for the next call):
 
 - ``start``: build ``vllm.LLM`` on a policy folder (token ids in and out: no tokenizer is loaded),
   once, first.
@@ -143,8 +145,11 @@ def main(fd: int, parent: int) -> None:
                 reply = getattr(server, op)(**request)
             else:
                 raise ValueError(f"unknown request {op!r}")
-        except Exception as exc:  # the request failed; the process stays
+        except Exception as exc:  # the request failed; the process stays, unless a generate broke
             reply = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=8)}
+            if op == "generate":
+                conn.send(reply)
+                return
         conn.send(reply)
 
 

@@ -102,7 +102,7 @@ def _cmd_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from flows.config import load_config
+    from flows.config import load_config, load_run_folder_config
     from flows.evaluate import evaluate_version, format_eval, policy_folder
     from flows.worker import state as worker_state
     from flows.loop import run_folder
@@ -111,13 +111,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     target = Path(args.target).resolve()
     if target.is_dir():
-        state = RunFolder.at(target.parent, target.name).load_run_state()
-        if state is None or not isinstance(state.get("config"), dict):
-            raise ConfigError(f"{target} holds no run.json with a config: give a run folder (runs/<run_name>) "
-                              "or a config file")
-        # The folder may have been moved: it is where it is now.
-        cfg = load_config(None, [*args.overrides, f"runs_dir={target.parent}", f"run_name={target.name}"],
-                          base=state["config"])
+        cfg = load_run_folder_config(target, args.overrides)
     else:
         cfg = load_config(target, args.overrides)
     if not cfg.eval.enabled:

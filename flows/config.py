@@ -11,7 +11,7 @@ from flows.schema import ConfigError, GRPOConfig
 from stages.data import DatasetError
 from storage.model_folder import ModelFolderError
 
-__all__ = ["load_config"]
+__all__ = ["load_config", "load_run_folder_config"]
 
 
 def _first_line(exc: BaseException) -> str:
@@ -55,3 +55,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         raise ConfigError(f"{where}{_first_line(exc)}") from exc
     assert isinstance(cfg, GRPOConfig)
     return cfg
+
+
+def load_run_folder_config(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> GRPOConfig:
+    """The config a run folder (``runs/<run_name>``) was run with, from its run.json, with
+    ``overrides``; runs_dir and run_name are where the folder is now (it may have been moved).
+    Raises :class:`ConfigError` in one line when the folder holds no run.json with a config."""
+    from storage.run_folder import RunFolder
+
+    target = Path(run_dir).resolve()
+    state = RunFolder.at(target.parent, target.name).load_run_state() if target.is_dir() else None
+    if state is None or not isinstance(state.get("config"), dict):
+        raise ConfigError(f"{target} holds no run.json with a config: give a run folder (runs/<run_name>)")
+    return load_config(None, [*overrides, f"runs_dir={target.parent}", f"run_name={target.name}"],
+                       base=state["config"])

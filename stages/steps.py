@@ -70,9 +70,10 @@ def tiny_base_policy(model: ModelConfig, warmup: WarmupConfig, num_digits: int, 
 
 
 def decode_rows(codec: TextCodec, rows: dict[str, np.ndarray]) -> tuple[list[str], list[str]]:
-    """(prompt texts, completion texts) of stored rows (prompt_ids, prompt_len, tokens, length)."""
+    """(prompt texts, completion texts) of stored rows (prompt_ids, prompt_len, tokens, length); a
+    prompt as it was asked, without the chat template's text around it (TextCodec.decode_prompt)."""
     n = len(rows["length"])
-    prompts = [codec.decode(rows["prompt_ids"][i, : rows["prompt_len"][i]].tolist()) for i in range(n)]
+    prompts = [codec.decode_prompt(rows["prompt_ids"][i, : rows["prompt_len"][i]].tolist()) for i in range(n)]
     return prompts, decode_completions(codec, rows)
 
 

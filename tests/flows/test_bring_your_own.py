@@ -80,7 +80,8 @@ def test_train_on_my_jsonl_model_and_reward(tmp_path, monkeypatch, kind):
         "dataset.kind=jsonl", f"dataset.path={DATA}", "dataset.max_prompt_tokens=96", "dataset.overflow=truncate",
         f"model.path={model}", "reward.functions=[my_rewards:boxed_number]", "reward.timeout_s=20",
         "task.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=8",
-        "train.micro_batch_size=8", "train.lr=1e-2"])
+        "train.micro_batch_size=8", "train.lr=1e-2",
+        *(["dataset.system_prompt=Show your work."] if kind == "qwen3" else [])])
     summary = run(cfg, progress=False)
     assert summary.iterations == 2
 
@@ -96,7 +97,8 @@ def test_train_on_my_jsonl_model_and_reward(tmp_path, monkeypatch, kind):
     hf_tok = transformers.AutoTokenizer.from_pretrained(folder.policy_store().ref(0).path)
     first = store.read(0, "prompt_ids", "prompt_len", stop=1)
     shown = hf_tok.decode(first["prompt_ids"][0, : first["prompt_len"][0]].tolist())
-    assert shown.startswith("<|im_start|>user\n") and shown.endswith("<|im_start|>assistant\n")
+    system = "<|im_start|>system\nShow your work.<|im_end|>\n" if kind == "qwen3" else ""
+    assert shown.startswith(system + "<|im_start|>user\n") and shown.endswith("<|im_start|>assistant\n")
     assert any(t["prompt"][:40] in shown for t in texts)
 
     v2 = folder.policy_store().ref(2)
@@ -107,3 +109,24 @@ def test_train_on_my_jsonl_model_and_reward(tmp_path, monkeypatch, kind):
     assert moved, "two GRPO steps left every weight of the user's model unchanged"
     ids = torch.tensor([[1, 2, 3]])
     assert torch.isfinite(loaded(ids).logits).all()
+
+
+def test_the_notebooks_explore_a_run_of_my_model(tmp_path, monkeypatch):
+    """The quickstart and the rollout explorer pointed at a run folder of an HF model (its own
+    tokenizer, chat template and system prompt) instead of training the tiny run."""
+    from test_notebook import _text, execute
+
+    model = _model_folder(tmp_path, "qwen3")
+    cfg = load_config(None, [
+        "run_name=mine", f"runs_dir={tmp_path / 'runs'}", "iterations=2", "dataset.kind=jsonl", f"dataset.path={DATA}",
+        "dataset.max_prompt_tokens=96", "dataset.overflow=truncate", "dataset.system_prompt=Show your work.",
+        f"model.path={model}", "reward.functions=[last_number]", "task.prompts_per_step=4", "rollout.group_size=4",
+        "rollout.max_new_tokens=8", "train.micro_batch_size=8"])
+    run(cfg, progress=False)
+    monkeypatch.setenv("GRPOFLOW_NOTEBOOK_RUN_DIR", str(tmp_path / "runs" / "mine"))
+    quick = _text(execute("quickstart.ipynb", passes_per_kernel=(1,))[0])
+    assert "exploring" in quick and "checked 2 steps" in quick and "Show your work" not in quick
+    explored = _text(execute("rollout_explorer.ipynb", passes_per_kernel=(1,))[0])
+    assert "published steps [0, 1]" in explored and "checked 2 steps, 8 groups, 32 samples" in explored
+    assert "Show your work" not in explored and "<|im_start|>" not in explored  # the user's own prompt text
+    assert any(json.loads(line)["prompt"][:30] in explored for line in DATA.read_text().splitlines())

@@ -331,7 +331,7 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
     s = cfg.rollout.max_staleness
     published = {policy.version: policy}  # versions the rule may still ask for
     in_flight: deque[PendingIteration] = deque()
-    handles: dict[int, Future] = {}  # step -> its StepRun, from the background queue
+    submitted: dict[int, tuple[int, int]] = {}  # step -> (behaviour version, submission time in epoch ms)
     queue = BackgroundQueue()  # lineage and the next step's Zarr group, while steps run
     outer = tqdm(range(first_step, cfg.iterations), desc="iterations", disable=not progress, unit="it")
 
@@ -380,14 +380,24 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
                                  maker.stages["publish"].gate, maker.done_at)
         return published.get(version) or folder.policy_store().ref(version)
 
-    def log_step(handle: Future, result: IterationResult, plot_rows: list[dict] | None) -> None:
+    def open_child(step: int, start_ms: int) -> StepRun:
+        """The step's child run, opened once the step has run (its start: ``start_ms``); an
+        interrupted process may have left one for the steps it had in flight (s + 2)."""
+        version, _ = submitted.pop(step)
+        return lineage.start_step(step, version, start_time_ms=start_ms, reopen=step <= first_step + s + 1)
+
+    def log_step(result: IterationResult, plot_rows: list[dict] | None, done_ms: int) -> None:
         """The step's lineage (on the background queue's thread), then its "lineage" mark: written
-        last, with the step's metrics for summary.json, it says the step needs no rerun."""
+        last, with the step's metrics for summary.json, it says the step needs no rerun. The child
+        run spans the step's own work: from its first task's start (its submission, when every
+        task was found done) to the moment it finished, not the logging after."""
         nonlocal dropped_below
         t0 = time.perf_counter()
         step = result.step
         trace_path = folder.save_trace(step, result.trace_events)
-        child: StepRun = handle.result()
+        started = min((start for _, start, _ in result.busy), default=submitted[step][1] / 1000)
+        child = open_child(step, int(started * 1000))
+        child.end_time_ms = done_ms
         with child:  # decoded samples, timeline, dataset with schema, metrics and policy; ends the child run
             policy_codec = codec(result.policy.path)
             table = load_sample_table(folder.rollouts, step, policy_codec.decode, max(cfg.mlflow.sample_groups, 1),
@@ -399,8 +409,10 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
                 tags["reward.first_error"] = result.reward_first_error
             for label, why in result.reward_function_errors.items():  # each failing function's first reason
                 tags[f"reward.{label}.first_error"] = why
+            # policy.path relative to the run folder: the tag stays true when the folder moves.
+            policy_path = os.path.relpath(result.policy.path, folder.root)
             child.log_metrics(result.metrics, tags={**tags, **child.policy_tags(
-                result.policy.version, result.policy.path, result.policy.sha256)})
+                result.policy.version, policy_path, result.policy.sha256)})
         if plot_rows is not None:  # refresh the plots
             lineage.log_plots(save_run_plots(plot_rows, folder.plots, STAGES))
         if step % cfg.mlflow.plot_every_steps == 0 and table["id"]:  # one decoded example now and then
@@ -455,12 +467,12 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
             bar.set_postfix_str(stage)
             bar.update(1)
 
-        handle = handles.pop(step)
         try:
             result = _finish_step(pending, advance)
         except BaseException:
-            queue.submit(lambda: handle.result().end("FAILED"))
+            queue.submit(lambda: open_child(step, submitted[step][1]).end("FAILED"))
             raise
+        done_ms = int(time.time() * 1000)
         bar.close()
         if "train" in result.skipped:
             # The shards came from an earlier process; the ranks still hold the step's input
@@ -481,8 +493,8 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
         plot = (due and time.monotonic() >= plotted_at + cfg.mlflow.plot_min_interval_s) or step == cfg.iterations - 1
         if plot:
             plotted_at = time.monotonic()
-        queue.submit(log_step, handle, result,
-                     earlier_rows + [{"step": r.step, **r.metrics} for r in results] if plot else None)
+        rows = earlier_rows + [{"step": r.step, **r.metrics} for r in results] if plot else None
+        queue.submit(log_step, result, rows, done_ms)
         _check_rewards(cfg, result, failed_steps)  # after the step's lineage is queued: a stop still logs it
         outer.update(1)
         outer.set_postfix(reward=f"{result.metrics.get('reward_mean', float('nan')):.3f}")
@@ -503,10 +515,7 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
             # A resumed run's first steps may ask for versions published by the earlier process.
             behaviour = policy_for(version)
             prev_train = in_flight[-1].train_gate if in_flight else ()
-            # The child run spans the step from its submission (opened on the background queue's thread);
-            # an interrupted process may have opened child runs for the steps it had in flight (s + 2).
-            handles[step] = queue.submit(lineage.start_step, step, version, start_time_ms=int(time.time() * 1000),
-                                         reopen=step <= first_step + s + 1)
+            submitted[step] = (version, int(time.time() * 1000))  # its child run opens once it has run
             in_flight.append(submit_iteration(client, cfg, pools, folder, step, behaviour, prev_train,
                                               prepared=take_prepared(step)))
             if step + 1 < cfg.iterations:  # its Zarr group, while this step runs

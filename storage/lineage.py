@@ -117,6 +117,8 @@ class StepRun:
     def __init__(self, lineage: "Lineage", step: int, run_id: str):
         self.lineage, self.step, self.run_id = lineage, step, run_id
         self.ended = False
+        self.end_time_ms: int | None = None
+        """When the step's work ended (epoch ms); unset: the run ends when :meth:`end` is called."""
 
     def log_metrics(self, metrics: dict[str, float], on_parent: bool = True, tags: dict[str, str] | None = None
                     ) -> None:
@@ -174,7 +176,7 @@ class StepRun:
 
     def end(self, status: str = "FINISHED") -> None:
         if not self.ended:
-            self.lineage.client.set_terminated(self.run_id, status=status, end_time=_now_ms())
+            self.lineage.client.set_terminated(self.run_id, status=status, end_time=self.end_time_ms or _now_ms())
             self.ended = True
 
     def __enter__(self) -> "StepRun":

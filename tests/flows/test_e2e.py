@@ -86,7 +86,15 @@ def test_mlflow_lineage(finished_run):
     assert runs["params.train.schedule"].iloc[0] == "1f1b"
     import mlflow
 
-    run = mlflow.MlflowClient(summary.tracking_uri).get_run(runs["run_id"].iloc[1])
+    client = mlflow.MlflowClient(summary.tracking_uri)
+    # Each child run spans its step's own work: from its first task to the step's end, so the
+    # synchronous run's children follow each other instead of overlapping by a step.
+    spans = [(client.get_run(r).info.start_time, client.get_run(r).info.end_time) for r in runs["run_id"]]
+    for (start, end), m in zip(spans, summary.metrics):
+        assert 0 < end - start <= 1000 * m["iteration_seconds"] + 50, (end - start, m["iteration_seconds"])
+    assert spans[1][0] >= spans[0][1] - 50, spans
+    assert list(runs["tags.policy.path"]) == ["policy/v1", "policy/v2"]  # relative to the run folder
+    run = client.get_run(runs["run_id"].iloc[1])
     (dataset,) = [d.dataset for d in run.inputs.dataset_inputs]
     assert dataset.source_type == "zarr" and "step_1" in dataset.source and len(dataset.digest) == 16
 

@@ -431,8 +431,23 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
             for version in range(dropped_below, step):
                 folder.policy_store().drop_optimizer_state(version)
             dropped_below = max(dropped_below, step)
+        drop_old_versions(step + 1)
 
     dropped_below = 0  # versions below this hold no optimiser state (train.keep_optimizer_state=latest)
+    weights_below = [1]  # versions below this were looked at by drop_old_versions (v0 is always kept)
+
+    def drop_old_versions(latest: int) -> None:
+        """train.keep_versions: delete the weights of the versions older than the newest N that no
+        rule keeps (:func:`keeps_version`), once ``latest`` is published and its step logged."""
+        n = cfg.train.keep_versions
+        if n is None:
+            return
+        store_ = folder.policy_store()
+        for version in range(weights_below[0], latest - n + 1):
+            if not keeps_version(cfg, version) and store_.is_complete(version):
+                freed = store_.drop_version(version)
+                log.debug("policy v%d: weights deleted (train.keep_versions=%d), %d bytes freed", version, n, freed)
+        weights_below[0] = max(weights_below[0], latest - n + 1)
     failed_steps: list[int] = []  # the latest run of consecutive steps whose every reward failed
 
     codecs: list[TextCodec] = []
@@ -533,6 +548,14 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
     outer.close()
     _add_idle(results)
     return results
+
+
+def keeps_version(cfg: GRPOConfig, version: int) -> bool:
+    """Whether policy ``version`` stays whole whatever its age (train.keep_versions): v0 (the
+    reference), every train.keep_every-th, every one the held-out evaluation scores, the run's last."""
+    every = cfg.train.keep_every
+    evaluated = cfg.eval.enabled and bool(cfg.eval.every_steps) and version % cfg.eval.every_steps == 0
+    return version in (0, cfg.iterations) or bool(every and version % every == 0) or evaluated
 
 
 def _check_rewards(cfg: GRPOConfig, result: IterationResult, failed_steps: list[int]) -> None:

@@ -26,7 +26,8 @@ from flows.schema import ConfigError, GRPOConfig, config_to_dict
 __all__ = ["SAFE_TO_CHANGE", "PreflightError", "config_differences", "check_model_folder", "check_draft_folder",
            "check_devices", "check_eval_data", "check_run_folder", "check_task_prompts", "preflight"]
 
-SAFE_TO_CHANGE = ("iterations", "runs_dir", "cluster.", "mlflow.", "plan.", "eval.", "train.keep_optimizer_state")
+SAFE_TO_CHANGE = ("iterations", "runs_dir", "cluster.", "mlflow.", "plan.", "eval.", "train.keep_optimizer_state",
+                  "train.keep_versions", "train.keep_every")
 """Config keys (or key prefixes, ending in '.') a resumed run may change: they decide how long and
 where the run goes and what it keeps on disk, not what it computes. docs/reliability.md lists them."""
 

@@ -237,6 +237,9 @@ class PolicyStore:
 
     def ref(self, version: int) -> PolicyRef:
         meta = self._manifest(version)
+        if meta.get("dropped"):
+            raise PolicyStoreError(f"policy v{version}: its weights were deleted (train.keep_versions); only "
+                                   f"its manifest, config and tokenizer remain in {self.version_path(version)}")
         return PolicyRef(str(self.version_path(version)), version, meta["sha256"], meta["num_bytes"])
 
     def verify(self, version: int) -> PolicyRef:
@@ -244,6 +247,8 @@ class PolicyStore:
         raises :class:`PolicyStoreError` naming the first file that does not."""
         meta = self._manifest(version)
         path = self.version_path(version)
+        if meta.get("dropped"):  # published, then deleted by train.keep_versions: nothing left to check
+            return PolicyRef(str(path), version, meta["sha256"], meta["num_bytes"])
         index = path / "model.safetensors.index.json"
         try:
             files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
@@ -291,6 +296,29 @@ class PolicyStore:
                 except FileNotFoundError:  # a drop cut short earlier moved it already
                     pass
         shutil.rmtree(folder, ignore_errors=True)
+        return freed
+
+    def is_dropped(self, version: int) -> bool:
+        """Whether ``version`` was published and its weights deleted since (:meth:`drop_version`)."""
+        return self.is_complete(version) and bool(self._manifest(version).get("dropped"))
+
+    def drop_version(self, version: int) -> int:
+        """Delete ``version``'s weights and optimiser state (train.keep_versions), keeping its
+        manifest (marked dropped: a resume still counts the version published), config and
+        tokenizer files; returns the bytes freed. The manifest says so first, so a drop cut short
+        leaves a version that is refused as dropped, never one half read."""
+        meta = self._manifest(version)
+        if meta.get("dropped"):
+            return 0
+        path = self.version_path(version)
+        weights = [p for p in path.glob("*.safetensors")] + [path / "model.safetensors.index.json"]
+        freed = sum(p.stat().st_size for p in weights if p.exists())
+        freed += sum(p.stat().st_size for p in (path / _OPTIM_DIR).glob("*.safetensors"))
+        _atomic_write_text(path / _MANIFEST, json.dumps({**meta, "dropped": True, "optimizer_ranks": 0,
+                                                         "optimizer_sha256": {}}))
+        for p in weights:
+            p.unlink(missing_ok=True)
+        shutil.rmtree(path / _OPTIM_DIR, ignore_errors=True)
         return freed
 
     def remove_from(self, version: int) -> None:

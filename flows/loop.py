@@ -395,7 +395,9 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
         t0 = time.perf_counter()
         step = result.step
         trace_path = folder.save_trace(step, result.trace_events)
-        started = min((start for _, start, _ in result.busy), default=submitted[step][1] / 1000)
+        # Not before its submission: a resumed step's stored results carry an earlier process's times.
+        submitted_s = submitted[step][1] / 1000
+        started = max(min((start for _, start, _ in result.busy), default=submitted_s), submitted_s)
         child = open_child(step, int(started * 1000))
         child.end_time_ms = done_ms
         with child:  # decoded samples, timeline, dataset with schema, metrics and policy; ends the child run
@@ -439,9 +441,9 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
     def drop_old_versions(latest: int) -> None:
         """train.keep_versions: delete the weights of the versions older than the newest N that no
         rule keeps (:func:`keeps_version`), once ``latest`` is published and its step logged."""
-        n = cfg.train.keep_versions
-        if n is None:
+        if cfg.train.keep_versions is None:
             return
+        n = max(cfg.train.keep_versions, s + 2)  # the versions a resumed or in-flight step may start from
         store_ = folder.policy_store()
         for version in range(weights_below[0], latest - n + 1):
             if not keeps_version(cfg, version) and store_.is_complete(version):

@@ -211,10 +211,6 @@ class GRPOConfig:
         _require(self.reward.overlong_buffer < self.rollout.max_new_tokens,
                  f"reward.overlong_buffer={self.reward.overlong_buffer} must be below rollout.max_new_tokens="
                  f"{self.rollout.max_new_tokens} (the ramp ends at max_new_tokens)")
-        keep, s = self.train.keep_versions, self.rollout.max_staleness
-        _require(keep is None or keep >= s + 2,
-                 f"train.keep_versions={keep} must be >= rollout.max_staleness + 2 = {s + 2} (the versions a "
-                 "resumed step may start from), or null")
         _require(self.reward.in_rollout or not self.rollout.dynamic_sampling,
                  "rollout.dynamic_sampling replaces groups the engines score themselves: set reward.in_rollout=true")
         self._check_dataset()

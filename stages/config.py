@@ -470,7 +470,8 @@ class TrainConfig:
     weights and optimiser state are deleted once the step publishing N versions after it is logged;
     its manifest, config and tokenizer stay. Always kept: v0 (the reference), every train.keep_every-th
     version, every version the held-out evaluation scores (eval.every_steps) and the run's last.
-    null: keep every version. At least rollout.max_staleness + 2 (what a resumed step may start from).
+    null: keep every version. Raised to rollout.max_staleness + 2 when below (the versions a resumed
+    or in-flight step may start from).
     About 4 bytes a parameter a version saved (SmolLM2-135M: 0.5 GB). Safe to change on resume."""
     keep_every: int = 10
     """With train.keep_versions: every K-th version is kept whole too (v10, v20, ...); 0: none."""

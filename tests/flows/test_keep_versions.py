@@ -44,7 +44,13 @@ def test_keep_rules_and_limits(tmp_path):
     cfg = _cfg(tmp_path, "iterations=30", "eval.path=data/arithmetic_test.jsonl", "eval.every_steps=4")
     assert [v for v in range(31) if keeps_version(cfg, v)] == [0, 3, 4, 6, 8, 9, 12, 15, 16, 18, 20, 21, 24,
                                                                27, 28, 30]
-    with pytest.raises(ConfigError, match=r"train.keep_versions=2 must be >= rollout.max_staleness \+ 2 = 3"):
-        _cfg(tmp_path, "rollout.max_staleness=1")
     with pytest.raises(ConfigError, match="train.keep_versions=0 must be >= 1"):
         _cfg(tmp_path, "train.keep_versions=0")
+
+
+def test_an_async_run_keeps_what_its_stale_steps_start_from(tmp_path):
+    """keep_versions below max_staleness + 2 is raised to it: step k may start from v(k - s - 1)."""
+    cfg = _cfg(tmp_path, "iterations=4", "rollout.max_staleness=1", "train.keep_versions=1", "train.keep_every=0")
+    run(cfg, progress=False)
+    store = run_folder(cfg).policy_store()
+    assert [v for v in range(5) if not store.is_dropped(v)] == [0, 2, 3, 4]

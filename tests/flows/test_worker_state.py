@@ -106,7 +106,7 @@ def test_a_codec_is_loaded_once_per_tokenizer(tmp_path, monkeypatch):
     or a run folder deleted and made again with another one under the same paths, never share it."""
     loads = []
     monkeypatch.setattr(worker.TextCodec, "from_policy_folder",
-                        classmethod(lambda cls, path, chat: loads.append(path) or object()))
+                        classmethod(lambda cls, path, chat, system_prompt=None: loads.append(path) or object()))
     home = WorkerState()
     cfg = load_config("configs/tiny.yaml", [f"runs_dir={tmp_path}"])
     a, b = tmp_path / "a" / "tiny" / "policy", tmp_path / "b" / "tiny" / "policy"

@@ -45,6 +45,7 @@ from flows import tasks, weight_sync
 from flows.cluster import Pools, lost_workers, worker_addresses
 from flows.schema import GRPOConfig, config_hash
 from stages.config import effective_off_policy
+from stages.reward import merge_function_stats
 from storage.policies import PolicyRef
 from storage.rollouts import RolloutStore, StepLayout, StepRef
 from storage.run_folder import RunFolder
@@ -548,7 +549,7 @@ def _collect(step: int, values: dict[str, list], stage_seconds: dict[str, float]
         first_error = next((r["reward_first_error"] for r in values["reward"] if r.get("reward_first_error")), "")
         by_function: dict[str, dict] = {}
         for r in values["reward"]:
-            tasks.merge_function_stats(by_function, r.get("reward_functions", {}))
+            merge_function_stats(by_function, r.get("reward_functions", {}))
         for label, f in by_function.items():  # each function's mean over the samples it scored
             m[f"reward/{label}"] = f["sum"] / f["scored"] if f["scored"] else float("nan")
             m[f"reward_failed/{label}"] = float(f["failed"])

@@ -51,7 +51,7 @@ from stages.advantage import trained_samples
 from stages.perf import STEP_PHASES, step_mfu_metrics, step_model_flops
 from stages.policy.tokenizer import TextCodec
 from stages.train.rendezvous import free_port
-from storage.host_rates import HOST_RATES_FILE, matmul_rate
+from storage.host_rates import HOST_RATES_FILE, host_cores, matmul_rate
 from storage.lineage import Lineage, StepRun
 from storage.plots import save_eval_plot, save_run_plots
 from storage.policies import PolicyRef
@@ -306,8 +306,8 @@ def _machine_rate(cfg: GRPOConfig, folder: RunFolder) -> float:
     dtype and torch version, cached in runs_dir/_cache, which keeps the highest rate seen: every
     start measures again for a fraction of a second): what a step's MFU is taken against. Taken
     before the workers start."""
-    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return matmul_rate(Path(folder.cache_root) / HOST_RATES_FILE, cfg.train.dtype, "cpu", threads, refresh_seconds=0.3)
+    return matmul_rate(Path(folder.cache_root) / HOST_RATES_FILE, cfg.train.dtype, "cpu", host_cores(),
+                       refresh_seconds=0.3)
 
 
 def _model_flops_metrics(cfg: GRPOConfig, shape, store, result: IterationResult, rate: float) -> dict[str, float]:
@@ -436,20 +436,21 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
         drop_old_versions(step + 1)
 
     dropped_below = 0  # versions below this hold no optimiser state (train.keep_optimizer_state=latest)
-    weights_below = [1]  # versions below this were looked at by drop_old_versions (v0 is always kept)
+    weights_below = 1  # versions below this were looked at by drop_old_versions (v0 is always kept)
 
     def drop_old_versions(latest: int) -> None:
         """train.keep_versions: delete the weights of the versions older than the newest N that no
         rule keeps (:func:`keeps_version`), once ``latest`` is published and its step logged."""
+        nonlocal weights_below
         if cfg.train.keep_versions is None:
             return
         n = max(cfg.train.keep_versions, s + 2)  # the versions a resumed or in-flight step may start from
         store_ = folder.policy_store()
-        for version in range(weights_below[0], latest - n + 1):
+        for version in range(weights_below, latest - n + 1):
             if not keeps_version(cfg, version) and store_.is_complete(version):
                 freed = store_.drop_version(version)
                 log.debug("policy v%d: weights deleted (train.keep_versions=%d), %d bytes freed", version, n, freed)
-        weights_below[0] = max(weights_below[0], latest - n + 1)
+        weights_below = max(weights_below, latest - n + 1)
     failed_steps: list[int] = []  # the latest run of consecutive steps whose every reward failed
 
     codecs: list[TextCodec] = []

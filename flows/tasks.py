@@ -21,6 +21,7 @@ from stages.policy import DecoderConfig
 from stages.rollout.engine import FINISH_LENGTH
 from stages.rollout.dynamic import fill_informative_groups
 from stages.rollout.rows import generate_rows
+from stages.reward import merge_function_stats
 from stages.steps import reward_statistics, score_rows, tiny_base_policy, tiny_max_positions, train_setup
 from stages.train.batch import build_global_batch
 from stages.train.engine import InjectedFault, TrainRank, rank_tensor_names
@@ -265,17 +266,6 @@ def _score(cfg: GRPOConfig, policy_path: str, rows: dict[str, np.ndarray], recor
     adv = normalize_advantages(scored.reward, cfg.rollout.group_size, cfg.advantage, ~scored.failed)
     return ({"reward": scored.reward, "reward_failed": scored.failed, "advantage": adv}, scored.first_error,
             scored.function_metrics())
-
-
-def merge_function_stats(into: dict[str, dict], more: dict[str, dict]) -> dict[str, dict]:
-    """Add one scoring call's per-function stats (ScoredGroups.function_metrics) to ``into``."""
-    for label, s in more.items():
-        held = into.setdefault(label, {"sum": 0.0, "scored": 0, "failed": 0, "first_error": ""})
-        held["sum"] += s["sum"]
-        held["scored"] += s["scored"]
-        held["failed"] += s["failed"]
-        held["first_error"] = held["first_error"] or s["first_error"]
-    return into
 
 
 def mark_scored(cfg: GRPOConfig, ref: StepRef, *scores: dict, rollout: bool = False) -> dict[str, float]:

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CPU_STEP_MFU", "LOOPBACK_BANDWIDTH", "LOOPBACK_LATENCY_S", "host_cluster", "host_cores"]
+__all__ = ["CPU_STEP_MFU", "LOOPBACK_BANDWIDTH", "LOOPBACK_LATENCY_S", "host_cluster"]
 
 CPU_STEP_MFU = 0.4
 """Share of the measured matmul rate a training step reaches on this runtime (SmolLM2: 37-40%)."""
@@ -31,11 +31,6 @@ LOOPBACK_BANDWIDTH = 1e9
 """Bytes/s of gloo's send/recv between two processes of one host, order of magnitude."""
 LOOPBACK_LATENCY_S = 100e-6
 """Fixed cost of one gloo message over loopback, order of magnitude."""
-
-
-def host_cores() -> int:
-    """Cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _host_memory_bytes() -> int:
@@ -58,7 +53,7 @@ def _copy_bandwidth(nbytes: int = 64 << 20, reps: int = 5) -> float:
 
 def host_cluster(world_size: int, dtype: str, runs_dir: str | Path) -> dict[str, Any]:
     """plan.cluster's fields for ``world_size`` ranks of a CPU run on this host, training in ``dtype``."""
-    from storage.host_rates import HOST_RATES_FILE, matmul_rate
+    from storage.host_rates import HOST_RATES_FILE, host_cores, matmul_rate
 
     rate = matmul_rate(Path(runs_dir) / "_cache" / HOST_RATES_FILE, dtype, "cpu", host_cores())
     copy = _copy_bandwidth()

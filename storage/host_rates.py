@@ -35,7 +35,8 @@ import torch
 
 from stages.perf.matmul_rate import MATMUL_SHAPE, dtype_name, measure_matmul_rate
 
-__all__ = ["HOST_RATES_FILE", "HostRatesError", "host_rate_key", "load_host_rates", "save_host_rates", "matmul_rate"]
+__all__ = ["HOST_RATES_FILE", "HostRatesError", "host_cores", "host_rate_key", "load_host_rates", "save_host_rates",
+           "matmul_rate"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,11 @@ _CPUINFO = "/proc/cpuinfo"
 
 class HostRatesError(RuntimeError):
     """The cache file could not be written; the message names the file."""
+
+
+def host_cores() -> int:
+    """Cores this process may run on: the thread count a rate "with every core" is measured at."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def host_rate_key(dtype: str | torch.dtype, device: str = "cpu", threads: Optional[int] = None) -> str:

@@ -311,7 +311,7 @@ class PolicyStore:
         if meta.get("dropped"):
             return 0
         path = self.version_path(version)
-        weights = [p for p in path.glob("*.safetensors")] + [path / "model.safetensors.index.json"]
+        weights = [*path.glob("*.safetensors"), path / "model.safetensors.index.json"]
         freed = sum(p.stat().st_size for p in weights if p.exists())
         freed += sum(p.stat().st_size for p in (path / _OPTIM_DIR).glob("*.safetensors"))
         _atomic_write_text(path / _MANIFEST, json.dumps({**meta, "dropped": True, "optimizer_ranks": 0,

@@ -28,7 +28,7 @@ from stages.tasks.addition import answer_of
 
 __all__ = ["RewardFn", "REWARDS", "overlong_penalty", "register_reward", "get_reward", "resolve_reward", "accepted_fields",
            "check_reward_functions", "RewardFunctionError", "RewardProcessError", "ScoredGroups",
-           "score_samples", "reward_labels", "DEFAULT_MEMORY_LIMIT_BYTES"]
+           "score_samples", "reward_labels", "merge_function_stats", "DEFAULT_MEMORY_LIMIT_BYTES"]
 
 RewardFn = Callable[..., float]
 REWARDS: dict[str, RewardFn] = {}
@@ -199,6 +199,17 @@ class ScoredGroups:
             out[label] = {"sum": float(col[ok].sum()), "scored": int(ok.sum()), "failed": int((~ok).sum()),
                           "first_error": self.function_errors[j]}
         return out
+
+
+def merge_function_stats(into: dict[str, dict], more: dict[str, dict]) -> dict[str, dict]:
+    """Add one scoring call's per-function stats (:meth:`ScoredGroups.function_metrics`) to ``into``."""
+    for label, s in more.items():
+        held = into.setdefault(label, {"sum": 0.0, "scored": 0, "failed": 0, "first_error": ""})
+        held["sum"] += s["sum"]
+        held["scored"] += s["scored"]
+        held["failed"] += s["failed"]
+        held["first_error"] = held["first_error"] or s["first_error"]
+    return into
 
 
 def score_samples(prompts: list[str], completions: list[str], functions: list[str], timeout_s: float,

@@ -99,8 +99,8 @@ def test_the_runtime_tiny_config_plans_as_is():
 def test_a_cpu_run_is_planned_on_this_host_at_its_measured_rates(tmp_path):
     """train.device cpu and no plan.cluster: the ranks share this host's cores, RAM and measured matmul
     rate (taken from the runs_dir's host-rate cache); plan.cluster given: the GPUs it names."""
-    from planner.host import CPU_STEP_MFU, host_cores
-    from storage.host_rates import HOST_RATES_FILE, host_rate_key, save_host_rates
+    from planner.host import CPU_STEP_MFU
+    from storage.host_rates import HOST_RATES_FILE, host_cores, host_rate_key, save_host_rates
 
     save_host_rates(tmp_path / "_cache" / HOST_RATES_FILE, {host_rate_key("float32", "cpu", host_cores()): 3.0e11})
     cpu = load_plan_config(REPO / "configs" / "tiny.yaml", [f"runs_dir={tmp_path}"]).cluster

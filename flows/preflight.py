@@ -4,7 +4,8 @@ key, file or sample, and nothing stored is changed.
 - ``model.path``: an HF folder with config.json of a supported model_type, tokenizer.json and
   safetensors holding every tensor the model needs at its configured shape;
 - an existing run folder: started with the same config, except :data:`SAFE_TO_CHANGE` keys
-  (run.json); its Zarr steps readable; its policy versions hashing to their manifests;
+  (run.json); its Zarr steps readable, their arrays hashing to the digests their stages recorded; its
+  policy versions' files (weights, optimiser state, config, tokenizer) hashing to their manifests;
 - prompts no wider than the step layout's prompt width under model.path's tokenizer (:func:`check_task_prompts`);
 - ``rollout.device`` and ``train.device``: devices this machine has (:func:`check_devices`).
 
@@ -162,6 +163,11 @@ def _check_steps(cfg: GRPOConfig, folder) -> None:
                     raise ValueError(f"array {name} holds NaN or infinite values")
         except Exception as exc:
             raise PreflightError(f"{where} is corrupt or truncated: {str(exc).strip().splitlines()[0]}; "
+                                 "delete the step group or start with --new") from None
+        try:  # a chunk file deleted reads as the fill value above: the digests its stage stored catch it
+            store.verify(step)
+        except Exception as exc:
+            raise PreflightError(f"{where} is damaged: {str(exc).strip().splitlines()[0]}; "
                                  "delete the step group or start with --new") from None
 
 

@@ -6,6 +6,7 @@ sources, weight-sync endpoints) is held by flows/worker.py; the tasks here fetch
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Callable
@@ -27,9 +28,11 @@ from stages.train.batch import build_global_batch
 from stages.train.engine import InjectedFault, TrainRank, rank_tensor_names
 from stages.train.schedule import lr_at
 from stages.train.timeline import chrome_events
-from storage.policies import PolicyRef, PolicyStore, load_model_folder
+from storage.policies import PolicyRef, PolicyStore, PolicyStoreError, load_model_folder
 from storage.rollouts import RolloutStore, StepLayout, StepRef
 from storage.run_folder import RunFolder
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "TRAIN_FAULT_ENV", "exit_with_parent", "worker_ready", "make_base_policy", "init_train_rank",
@@ -75,6 +78,12 @@ def make_base_policy(cfg: GRPOConfig, folder: RunFolder) -> PolicyRef:
     key = config_hash({"model": cfg.model, "warmup": cfg.warmup, "task": "addition", "num_digits": digits,
                        "seed": cfg.seed, "max_positions": tiny_max_positions(digits, max_new)})
     cache = PolicyStore(folder.base_policy_cache(key))
+    if cache.is_complete(0):
+        try:  # verified like a version of the run: a damaged cache is rebuilt (the same bytes)
+            cache.verify(0)
+        except PolicyStoreError as exc:
+            log.warning("rebuilding the base-policy cache: %s", str(exc).splitlines()[0])
+            cache.remove_from(0)
     if not cache.is_complete(0):
         tiny = tiny_base_policy(cfg.model, cfg.warmup, digits, max_new, cfg.seed)
         cache.save_policy(0, tiny.hf_config, tiny.tokenizer_json, tiny.tensors,

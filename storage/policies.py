@@ -2,8 +2,10 @@
 
 ``runs/<run>/policy/v<k>/`` is loadable by transformers' ``from_pretrained``. Each pipeline rank
 writes its own shard (``model-0000i-of-0000p.safetensors``) in parallel; :func:`finalize_policy`
-then writes the shard index and the manifest with the content hash. A version without its
-manifest is incomplete and is never loaded.
+then writes the shard index and the manifest with the content hash of the shards and the sha256
+of every other file (optimiser state, config, tokenizer, generation defaults). A version without
+its manifest is incomplete and is never loaded; one whose files no longer hash to it is refused
+(:meth:`PolicyStore.verify`).
 
 Beside the shards, each training rank writes its AdamW state (``optim/rank<r>.safetensors``)
 before the manifest, so a published version holds everything the next step needs: a resumed run
@@ -204,9 +206,12 @@ class PolicyStore:
             if (Path(source) / name).exists():
                 _atomic_write_text(path / name, (Path(source) / name).read_text())
         ref = PolicyRef(str(path), version, digest.hexdigest(), total)
+        files = {name: _file_sha256(path / name) for name in ("config.json", "tokenizer.json", *_SIDE_FILES)
+                 if (path / name).exists()}
         _atomic_write_text(path / _MANIFEST, json.dumps({"version": version, "sha256": ref.sha256,
                                                          "num_bytes": total, "optimizer_ranks": len(optim),
-                                                         "optimizer_sha256": optim_sha, **(extra or {})}))
+                                                         "optimizer_sha256": optim_sha, "files_sha256": files,
+                                                         **(extra or {})}))
         return ref
 
     def save_policy(self, version: int, hf_config: dict, tokenizer_json: str,
@@ -243,11 +248,17 @@ class PolicyStore:
         return PolicyRef(str(self.version_path(version)), version, meta["sha256"], meta["num_bytes"])
 
     def verify(self, version: int) -> PolicyRef:
-        """The version's ref once its shards and optimiser files hash to what its manifest records;
-        raises :class:`PolicyStoreError` naming the first file that does not."""
+        """The version's ref once its shards, optimiser files, config, tokenizer and side files hash
+        to what its manifest records; raises :class:`PolicyStoreError` naming the first file that
+        does not."""
         meta = self._manifest(version)
         path = self.version_path(version)
-        if meta.get("dropped"):  # published, then deleted by train.keep_versions: nothing left to check
+        for name, sha in meta.get("files_sha256", {}).items():  # config, tokenizer, generation defaults
+            f = path / name
+            if not f.is_file() or _file_sha256(f) != sha:
+                raise PolicyStoreError(f"policy v{version}: {f} is missing or does not match the manifest's "
+                                       "sha256 (edited or truncated); restore it, or start with --new")
+        if meta.get("dropped"):  # published, then deleted by train.keep_versions: no weights left to check
             return PolicyRef(str(path), version, meta["sha256"], meta["num_bytes"])
         index = path / "model.safetensors.index.json"
         try:

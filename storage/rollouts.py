@@ -8,6 +8,12 @@ with rollout.max_staleness s >= 1 up to s versions newer), the config hash and w
 complete; a stage is marked complete only
 after all its arrays are written, and attribute updates are serialised with a file lock so two
 stages finishing at once cannot lose each other's mark.
+
+The mark also records a sha256 of each array the stage wrote (:data:`STAGE_ARRAYS`): of the
+array's metadata and its chunk files, names and bytes. Zarr reads a missing chunk as the fill
+value, so a deleted or truncated chunk file would otherwise pass as zeros; :meth:`RolloutStore.verify`
+recomputes the digests, and a resumed run refuses a step whose stored arrays no longer match
+(flows/preflight.py) before reusing or training on it.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -29,7 +36,7 @@ from zarr.core.array import AsyncArray
 from zarr.core.sync import sync
 from zarr.storage import LocalStore, StorePath
 
-__all__ = ["RolloutStoreError", "StepRef", "StepLayout", "ARRAYS", "RolloutStore"]
+__all__ = ["RolloutStoreError", "StepRef", "StepLayout", "ARRAYS", "STAGE_ARRAYS", "RolloutStore"]
 
 
 class RolloutStoreError(RuntimeError):
@@ -86,6 +93,30 @@ ARRAYS: dict[str, tuple[str, str]] = {
     "policy_version": ("int32", ""),
     "finish_reason": ("int8", ""),
 }
+
+
+# The arrays each stage writes, whose digests its completion mark records (train, publish and
+# lineage write none). A stage's arrays are written by its own tasks only, before its mark.
+STAGE_ARRAYS: dict[str, tuple[str, ...]] = {
+    "rollout": ("prompt_ids", "prompt_len", "tokens", "length", "behav_logp", "group_id", "policy_version",
+                "finish_reason"),
+    "reward": ("reward", "reward_failed"),
+    "advantage": ("advantage",),
+    "reference": ("ref_logp",),
+    "proximal": ("prox_logp",),
+}
+
+
+def _array_digest(path: Path) -> tuple[str, int]:
+    """(sha256, file count) of one stored array: its metadata and chunk files, each by its path
+    relative to the array and its bytes, in path order. A chunk Zarr never wrote (all fill value)
+    is absent both when the digest is taken and when it is checked."""
+    h, files = hashlib.sha256(), 0
+    for f in sorted(q for q in path.rglob("*") if q.is_file()):
+        h.update(str(f.relative_to(path)).encode() + b"\0")
+        h.update(f.read_bytes())
+        files += 1
+    return h.hexdigest(), files
 
 
 @dataclass(frozen=True)
@@ -203,15 +234,44 @@ class RolloutStore:
                 fcntl.flock(fh, fcntl.LOCK_UN)
 
     def mark_complete(self, step: int, stage: str | tuple[str, ...], **extra_attrs) -> None:
-        """Record that ``stage`` has written all of its outputs (call only after writing them); a
-        tuple of stages written by one task is marked in one update, so a reader sees all or none."""
+        """Record that ``stage`` has written all of its outputs (call only after writing them), with
+        the digests of the arrays it wrote (:data:`STAGE_ARRAYS`); a tuple of stages written by one
+        task is marked in one update, so a reader sees all or none."""
         stages = (stage,) if isinstance(stage, str) else tuple(stage)
         if not self.has_step(step):
             raise RolloutStoreError(f"cannot mark {', '.join(stages)} complete: {self.ref(step)} does not exist")
+        digests = {}
+        for name in (a for s in stages for a in STAGE_ARRAYS.get(s, ())):
+            sha, files = _array_digest(Path(self.array_path(step, name)))
+            digests[name] = {"sha256": sha, "files": files}
         with self._locked(step):
-            done = list(self.attrs(step).get("complete", []))
+            attrs = self.attrs(step)
+            done = list(attrs.get("complete", []))
             done += [s for s in stages if s not in done]
-            self._update_attrs(step, {"complete": done, **extra_attrs})
+            update = {"complete": done, **extra_attrs}
+            if digests:
+                update["digests"] = {**attrs.get("digests", {}), **digests}
+            self._update_attrs(step, update)
+
+    def verify(self, step: int) -> None:
+        """Check that every array a complete stage wrote still hashes to the digest its mark
+        recorded; raises :class:`RolloutStoreError` naming the first array folder that does not.
+        Steps stored before digests were recorded have none to check."""
+        attrs = self.attrs(step)
+        recorded = attrs.get("digests", {})
+        for stage in attrs.get("complete", []):
+            for name in STAGE_ARRAYS.get(stage, ()):
+                if name not in recorded:
+                    continue
+                path = Path(self.array_path(step, name))
+                sha, files = _array_digest(path)
+                if sha != recorded[name]["sha256"]:
+                    was = int(recorded[name]["files"])
+                    how = (f"{was - files} of its {was} files are missing, which Zarr would read as zeros"
+                           if files < was else f"it holds {files} files, {was} were written" if files > was
+                           else "a file's bytes changed")
+                    raise RolloutStoreError(f"{path} no longer matches the digest stored when stage {stage} "
+                                            f"completed: {how}")
 
     def _update_attrs(self, step: int, update: dict) -> None:
         """Merge ``update`` into the step group's attributes, as Zarr's ``attrs.update`` writes them
@@ -324,8 +384,6 @@ class RolloutStore:
 
     def digest(self, step: int) -> str:
         """A content digest of a step group: its metadata files and chunk bytes."""
-        import hashlib
-
         h = hashlib.sha256()
         base = Path(self.ref(step).path)
         for path in sorted(base.rglob("*")):

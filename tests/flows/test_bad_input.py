@@ -190,6 +190,11 @@ CASES = [
      r"rollout step 0 .* is corrupt or truncated"),
     ("zarr-chunk-garbage", [], lambda run, hf: _corrupt(_chunk(run, "reward"), "flip"),
      r"rollout step 0 .* is corrupt or truncated"),
+    ("zarr-chunk-deleted", [], lambda run, hf: os.remove(_chunk(run, "tokens")),
+     r"rollout step 0 .* is damaged: .*step_0/tokens no longer matches the digest stored when stage rollout "
+     r"completed: 1 of its \d+ files are missing, which Zarr would read as zeros"),
+    ("zarr-ref-chunk-deleted", [], lambda run, hf: os.remove(_chunk(run, "ref_logp")),
+     r"step_0/ref_logp no longer matches the digest stored when stage reference completed"),
     ("zarr-array-meta-deleted", [], lambda run, hf: os.remove(run / "rollouts.zarr/step_0/advantage/zarr.json"),
      r"rollout step 0 .* is corrupt or truncated"),
     ("zarr-layout-changed", [], lambda run, hf: _edit_json(run / "rollouts.zarr/step_0/zarr.json", attributes={
@@ -206,6 +211,12 @@ CASES = [
      r"policy v1: unreadable manifest"),
     ("policy-optimizer-changed", [], lambda run, hf: _corrupt(run / "policy/v1/optim/rank0.safetensors"),
      r"policy v1: optimiser state .*rank0.safetensors is missing or does not match"),
+    ("policy-config-edited", [], lambda run, hf: _edit_json(run / "policy/v1/config.json", rms_norm_eps=0.1),
+     r"policy v1: .*v1/config.json is missing or does not match the manifest's sha256"),
+    ("policy-tokenizer-edited", [], lambda run, hf: (run / "policy/v1/tokenizer.json").write_text('{"x": 1}'),
+     r"policy v1: .*v1/tokenizer.json is missing or does not match"),
+    ("policy-v0-tokenizer-deleted", [], lambda run, hf: os.remove(run / "policy/v0/tokenizer.json"),
+     r"policy v0: .*v0/tokenizer.json is missing"),
     ("policy-optimizer-deleted", [], lambda run, hf: os.remove(run / "policy/v1/optim/rank0.safetensors"),
      r"policy v1: optimiser state .*rank0.safetensors is missing"),
 ]

@@ -4,6 +4,8 @@ each stage's output checked against an independent computation."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -112,3 +114,16 @@ def test_rollout_reward_advantage_slice(step0):
     assert stats["reward_mean"] == pytest.approx(float(np.mean(expected)))
     assert stats["zero_variance_groups"] == float((grouped.std(1) == 0).sum())
     assert sum(m["rollout_tokens"] for m in roll) == float(a["length"].sum())
+
+
+def test_a_damaged_base_policy_cache_is_rebuilt_the_same(step0, tmp_path, caplog):
+    cfg, folder, policy, _, _ = step0
+    before = open(f"{policy.path}/model-00001-of-00001.safetensors", "rb").read()
+    (tokenizer,) = Path(folder.cache_root).glob("base-*/v0/tokenizer.json")
+    tokenizer.write_text(tokenizer.read_text()[:-10])  # truncated: the manifest's sha256 no longer holds
+    other = run_folder(load_config("configs/tiny.yaml", [*_OVERRIDES, f"runs_dir={tmp_path}", "run_name=slice2"]))
+    with caplog.at_level("WARNING", logger="flows.tasks"):
+        again = tasks.make_base_policy(cfg, other.create())
+    assert "rebuilding the base-policy cache" in caplog.text and "tokenizer.json" in caplog.text
+    assert open(f"{again.path}/model-00001-of-00001.safetensors", "rb").read() == before
+    other.policy_store().verify(0)

@@ -340,3 +340,29 @@ def test_attributes_written_without_zarr_are_zarrs_document(tmp_path):
     zarr.open_group(str(path.parent), mode="r+").attrs.update({"by_zarr": 1})  # and Zarr's own writes still merge
     assert store.attrs(0)["by_zarr"] == 1 and store.attrs(0)["note"] == "x"
     assert not list(path.parent.glob("*.partial"))
+
+
+def test_verify_finds_a_chunk_deleted_added_or_changed_after_its_stage_completed(tmp_path):
+    layout = make_layout()
+    store = make_store(tmp_path, layout=layout)
+    for name in ("tokens", "length", "reward"):
+        store.write(0, name, make_values(name, layout))
+    store.mark_complete(0, "rollout")
+    store.verify(0)  # nothing changed; reward is written but its stage is not complete: not checked
+    store.write(0, "reward", make_values("reward", layout, seed=1))
+    store.verify(0)
+    tokens = tmp_path / "rollouts.zarr/step_0/tokens"
+    chunks = sorted(p for p in tokens.rglob("*") if p.is_file() and p.name != "zarr.json")
+    original = chunks[0].read_bytes()
+    chunks[0].write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+    with pytest.raises(RolloutStoreError, match=r"step_0/tokens no longer matches .* stage rollout completed: "
+                                                r"a file's bytes changed"):
+        store.verify(0)
+    chunks[0].unlink()
+    with pytest.raises(RolloutStoreError, match=rf"1 of its {len(chunks) + 1} files are missing"):
+        store.verify(0)
+    chunks[0].write_bytes(original)
+    store.verify(0)  # the original bytes back: the digest holds again
+    (tokens / "c" / "stray").write_bytes(b"x")
+    with pytest.raises(RolloutStoreError, match=rf"it holds {len(chunks) + 2} files, {len(chunks) + 1} were written"):
+        store.verify(0)

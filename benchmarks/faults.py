@@ -55,6 +55,8 @@ class Trial:
     """The stage whose start armed the kill."""
     delay_s: float
     """From the stage's start to the kill: a uniform fraction of its median fault-free duration."""
+    sends: int = signal.SIGKILL
+    """What the kill sends: SIGKILL (a death) or SIGSTOP (a frozen process, which stays up, silent)."""
     killed: str = ""
     """Name of the worker killed ('' if none was)."""
     killed_during: str = ""
@@ -188,7 +190,7 @@ def _kill_when_started(client, cfg: GRPOConfig, trial: Trial, stop: threading.Ev
     else:
         time.sleep(trial.delay_s)
         (address, pid), trial.killed = target, trial.target
-    os.kill(pid, signal.SIGKILL)
+    os.kill(pid, trial.sends)
     try:  # the killed worker's stage stays incomplete: read after the kill, off its critical moment
         trial.killed_during = _running(store, cfg, max(0, trial.step - 1))
     except Exception:  # attrs mid-write

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import math
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -27,7 +29,7 @@ from distributed.deploy.cluster import Cluster
 from flows.schema import GRPOConfig
 
 __all__ = ["ClusterError", "Pools", "start_cluster", "check_pools", "dashboard_link", "worker_addresses",
-           "lost_workers", "restart_train_workers"]
+           "run_on_workers", "lost_workers", "restart_train_workers"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,10 @@ class Pools:
     eval: tuple[str, ...] = ()
     """Worker names with the ``eval`` resource: held-out evaluations run there (flows/evaluate.py),
     so an evaluation never holds back a step's gate, rollout or training task."""
+    silence_s: float = 60.0
+    """A pooled worker whose last heartbeat the scheduler got longer ago than this is lost: a frozen
+    (stopped, deadlocked) process holds its tasks and its peers' collectives until it is killed
+    (``cluster.worker_silence_s``)."""
 
     def address(self, name: str) -> str:
         return dict(self.addresses)[name]
@@ -237,14 +243,59 @@ def check_pools(client: Client, cfg: GRPOConfig, wait_s: float | None = None) ->
     return Pools(tuple(_name(a, workers[a]) for a in train), tuple(_name(a, workers[a]) for a in rollout),
                  tuple(_name(a, workers[a]) for a in plain),
                  tuple((_name(a, workers[a]), a) for a in dict.fromkeys(train + rollout)),
-                 eval=tuple(_name(a, workers[a]) for a in evals))
+                 eval=tuple(_name(a, workers[a]) for a in evals), silence_s=cfg.cluster.worker_silence_s)
+
+
+def _heard_from(dask_scheduler) -> dict[str, tuple[str, float]]:
+    """On the scheduler: worker name -> (address, seconds since its last heartbeat)."""
+    now = time.time()
+    return {_name(a, {"name": ws.name}): (a, now - ws.last_seen) for a, ws in dask_scheduler.workers.items()}
+
+
+def run_on_workers(client: Client, function, *args, timeout_s: float, quiet_s: float = 10.0) -> None:
+    """``client.run(function, *args)`` on every worker heard from in the last ``quiet_s``, waiting
+    at most ``timeout_s``: for the run's clean-up, which must not wait on a frozen worker (such a
+    worker never answers; the cluster's close, or its owner, kills it). Failures are logged."""
+    heard = client.run_on_scheduler(_heard_from)
+    targets = [a for a, silent_s in heard.values() if silent_s <= quiet_s]
+    skipped = sorted(f"{n} ({a})" for n, (a, silent_s) in heard.items() if silent_s > quiet_s)
+    if skipped:
+        log.warning("%s on every worker but %s, silent for more than %g s", function.__name__,
+                    ", ".join(skipped), quiet_s)
+    failed: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            client.run(function, *args, workers=targets)
+        except BaseException as exc:  # reported by the caller's thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=call, name=f"run-{function.__name__}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        log.warning("%s did not finish on every worker within %.0f s; going on without it", function.__name__,
+                    timeout_s)
+    elif failed:
+        log.warning("%s failed on a worker: %s: %s", function.__name__, type(failed[0]).__name__, failed[0])
 
 
 def lost_workers(client: Client, pools: Pools, names: tuple[str, ...] | None = None) -> list[str]:
     """Of ``names`` (default: the training workers), those no longer at the address they had when
-    ``pools`` was resolved: dead, or restarted in a new process (a new address)."""
-    now = worker_addresses(client)
-    return [n for n in (pools.train if names is None else names) if now.get(n) != pools.address(n)]
+    ``pools`` was resolved (dead, or restarted in a new process: a new address), and those silent
+    for more than ``pools.silence_s`` (frozen: :func:`restart_train_workers` has their nannies
+    kill them)."""
+    heard = client.run_on_scheduler(_heard_from)
+    lost = []
+    for n in pools.train if names is None else names:
+        address, silent_s = heard.get(n, (None, 0.0))
+        if address != pools.address(n):
+            lost.append(n)
+        elif silent_s > pools.silence_s:
+            log.warning("worker %s (%s) has sent the scheduler no heartbeat for %.0f s (cluster.worker_silence_s="
+                        "%g): frozen, treated as lost", n, address, silent_s, pools.silence_s)
+            lost.append(n)
+    return lost
 
 
 def _wait_for_names(client: Client, names: tuple[str, ...], old: set[str], wait_s: float) -> None:

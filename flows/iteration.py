@@ -462,7 +462,7 @@ def finish_iteration(pending: PendingIteration, on_stage: Callable[[str], None] 
             for future in sorted(finished, key=lambda f: pending.names.index(stages_of[f.key][0])):
                 names = stages_of[future.key]
                 if future.status == "error":
-                    raise _failure(client, pools, step, names[0], future.exception())
+                    raise _failure(client, pools, step, names[0], future.exception(), stages[names[0]].work)
                 if future.status == "cancelled":
                     raise _failure(client, pools, step, names[0], RuntimeError(f"task {future.key} was cancelled"))
                 if any(future.key in work_keys[n] for n in names):
@@ -599,10 +599,16 @@ def _collect(step: int, values: dict[str, list], stage_seconds: dict[str, float]
                            function_errors)
 
 
-def _failure(client: Client, pools: Pools, step: int, stage: str, exc: BaseException) -> IterationError:
+def _failure(client: Client, pools: Pools, step: int, stage: str, exc: BaseException,
+             work: Collection[Future] = ()) -> IterationError:
     """The error of a failed task: a :class:`WorkerLostError` when a training worker is gone
-    (its peers may report its death a moment before the scheduler does)."""
-    deadline = time.monotonic() + (_LOST_GRACE_S if stage in ("reference", "train") else 0.0)
+    (its peers may report its death a moment before the scheduler does) or frozen. A training
+    stage's failure is judged once every rank's task of it (``work``) has ended: a frozen rank's
+    task never ends while its peers' end at train.timeout_s, and the rank counts as lost once it has
+    been silent for ``pools.silence_s``."""
+    ranks = stage in ("reference", "train")
+    limit = time.monotonic() + (pools.silence_s + _LOST_GRACE_S if ranks else 0.0)
+    settled = None  # when every rank's task had ended
     while True:
         lost = lost_workers(client, pools)
         if lost:
@@ -610,7 +616,10 @@ def _failure(client: Client, pools: Pools, step: int, stage: str, exc: BaseExcep
                                     f"was lost: {type(exc).__name__}: {exc}", lost)
             error.__cause__ = exc
             return error
-        if time.monotonic() >= deadline:
+        now = time.monotonic()
+        if settled is None and all(f.done() for f in work):
+            settled = now
+        if now >= limit or (settled is not None and now - settled >= (_LOST_GRACE_S if ranks else 0.0)):
             error = IterationError(f"step {step}: stage {stage} failed: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
             return error

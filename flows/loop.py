@@ -42,7 +42,7 @@ from flows.background import BackgroundQueue
 from flows.evaluate import EvalScheduler, format_eval, load_eval_results
 from flows.async_schedule import behaviour_version, released_by, trainer_version
 from flows.cluster import (ClusterError, Pools, check_pools, dashboard_link, lost_workers, restart_train_workers,
-                           start_cluster)
+                           run_on_workers, start_cluster)
 from flows.iteration import (STAGES, IterationError, IterationResult, PendingIteration, PendingPolicy, Policy,
                              WorkerLostError, finish_iteration, prepare_step, submit_iteration)
 from flows.preflight import preflight
@@ -267,11 +267,12 @@ def _run(cfg: GRPOConfig, progress: bool) -> RunSummary:
             lineage.finish("FAILED")
         raise
     finally:
-        try:
-            client.run(tasks.shutdown_train_rank, cfg.run_name)
-            client.run(tasks.close_engines)  # a vLLM engine's server process goes with it
-        except Exception:
-            pass
+        try:  # bounded: a frozen worker never answers
+            run_on_workers(client, tasks.shutdown_train_rank, cfg.run_name, timeout_s=cfg.cluster.worker_wait_s)
+            # a vLLM engine's server process goes with it
+            run_on_workers(client, tasks.close_engines, timeout_s=cfg.cluster.worker_wait_s)
+        except Exception as exc:
+            log.warning("clean-up of the workers failed: %s: %s", type(exc).__name__, exc)
         client.close()
         if cluster is not None:
             cluster.close()

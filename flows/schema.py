@@ -89,6 +89,10 @@ class ClusterConfig:
     published version, at most this many times; then the run fails."""
     worker_wait_s: float = 60.0
     """Longest wait for workers to join: at start-up, and for restarted workers to come back."""
+    worker_silence_s: float = 60.0
+    """A training worker the scheduler has had no heartbeat from for this long (a stopped or
+    deadlocked process: its peers' collectives end at train.timeout_s, its own task never does) is
+    lost: its nanny kills it and the step is rerun on rebuilt ranks, as for a dead one."""
     worker_profiler: bool = False
     """Embedded cluster: Dask's statistical profiler on the workers (the dashboard's Profile tab). It
     samples every thread's stack every 10 ms, which cost the training ranks ~10% of their step at
@@ -119,7 +123,7 @@ class ClusterConfig:
         _require(_is_host(self.listen),
                  f"cluster.listen={self.listen!r} must be an IPv4 address or host name without a port "
                  "(127.0.0.1: this machine only)")
-        for key in ("iteration_timeout_s", "worker_wait_s", "weight_sync_timeout_s"):
+        for key in ("iteration_timeout_s", "worker_wait_s", "worker_silence_s", "weight_sync_timeout_s"):
             value = getattr(self, key)
             _require(math.isfinite(value) and value > 0, f"cluster.{key}={value} must be a finite number > 0 "
                      "(every wait of the run has a limit)")

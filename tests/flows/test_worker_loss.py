@@ -138,3 +138,46 @@ def test_the_timeout_message_names_the_late_stage_and_the_worker_it_waited_for()
         message = _late_message(client, 3, stages, {running, starved}, 60.0)
         assert message.startswith("step 3: stages rollout, train did not finish")
         assert message.endswith("stage rollout waited for a worker with resource rollout for rollout-0-x (no-worker)")
+
+
+@pytest.mark.slow
+def test_a_frozen_training_rank_is_killed_and_the_step_rerun(cluster_run):
+    """SIGSTOP: the rank's process stays up, its heartbeats stop. Its peer's send times out at
+    train.timeout_s; the rank is lost once silent for cluster.worker_silence_s, its nanny kills it,
+    and the step reruns on rebuilt ranks, to the fault-free weights. Nothing waits for Dask's own
+    five-minute worker TTL."""
+    client, cfg, reference_sha, restarts = cluster_run
+    cfg = replace(cfg, run_name="freeze-train", cluster=replace(cfg.cluster, worker_silence_s=15.0))
+    trial = run_trial(client, cfg, Trial(2, "train-1", 1, "train", 0.0, sends=signal.SIGSTOP), reference_sha,
+                      restarts)
+    assert trial.killed_during == "step=1/train", trial
+    assert trial.finished, trial.error
+    assert trial.restarts == 1, trial
+    assert (trial.lost_groups, trial.duplicated_groups, trial.incomplete_steps) == (0, 0, 0)
+    assert trial.same_weights
+    assert trial.wall_s < cfg.cluster.iteration_timeout_s  # four steps, a freeze, a rebuild and a rerun
+
+
+def test_clean_up_does_not_wait_on_a_frozen_worker(caplog):
+    from distributed import Client, LocalCluster
+
+    from flows.cluster import run_on_workers
+
+    with LocalCluster(n_workers=2, processes=True, threads_per_worker=1, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        frozen, other = sorted(client.scheduler_info()["workers"])
+        pid = client.run(os.getpid, workers=[frozen])[frozen]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()  # not silent long yet: asked, and given up on at the timeout
+            run_on_workers(client, os.getpid, timeout_s=2.0, quiet_s=30.0)
+            assert 2.0 <= time.monotonic() - t0 < 10.0
+            assert "getpid did not finish on every worker within 2 s" in caplog.text
+            time.sleep(3.0)  # past quiet_s: not asked at all
+            t0 = time.monotonic()
+            run_on_workers(client, os.getpid, timeout_s=30.0, quiet_s=2.0)
+            assert time.monotonic() - t0 < 10.0
+            name = {a: w["name"] for a, w in client.scheduler_info()["workers"].items()}[frozen]
+            assert f"getpid on every worker but {name} ({frozen}), silent for more than 2 s" in caplog.text
+        finally:
+            os.kill(pid, signal.SIGCONT)

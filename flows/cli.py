@@ -56,6 +56,7 @@ def _tracking_store(target: str, overrides: list[str]) -> tuple[str, str | None]
     from flows.config import load_config
     from flows.loop import tracking_uri
     from flows.schema import ConfigError
+    from storage.lineage import relocate_artifacts
     from storage.run_folder import RunFolder
 
     if Path(target).is_dir():
@@ -63,7 +64,11 @@ def _tracking_store(target: str, overrides: list[str]) -> tuple[str, str | None]
             raise ConfigError(f"{target} is a run folder: overrides apply to a config file, drop {overrides[0]!r}")
         if not (Path(target) / "mlflow.db").is_file():
             raise ConfigError(f"{target} holds no mlflow.db: give a run folder (runs/<run_name>) or a config file")
-        return RunFolder.at(Path(target).parent, Path(target).name).tracking_uri, None
+        folder = RunFolder.at(Path(target).parent, Path(target).name)
+        moved = relocate_artifacts(folder.mlflow_db, folder.artifacts)  # a copied folder shows its own artifacts
+        if moved:
+            print(f"run folder moved or copied from {moved}: its MLflow artifacts now resolve in {folder.artifacts}")
+        return folder.tracking_uri, None
     cfg = load_config(target, overrides)
     return tracking_uri(cfg), cfg.mlflow.experiment
 

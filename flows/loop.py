@@ -52,7 +52,7 @@ from stages.perf import STEP_PHASES, step_mfu_metrics, step_model_flops
 from stages.policy.tokenizer import TextCodec
 from stages.train.rendezvous import free_port
 from storage.host_rates import HOST_RATES_FILE, host_cores, matmul_rate
-from storage.lineage import Lineage, StepRun
+from storage.lineage import Lineage, StepRun, relocate_artifacts
 from storage.plots import save_eval_plot, save_run_plots
 from storage.policies import PolicyRef
 from storage.run_folder import RunFolder
@@ -222,6 +222,11 @@ def _run(cfg: GRPOConfig, progress: bool) -> RunSummary:
     state = preflight(cfg, folder)
     folder.create()
     uri = tracking_uri(cfg)
+    if not cfg.mlflow.tracking_uri:  # the folder's own store: a copied or moved folder logs into itself
+        moved = relocate_artifacts(folder.mlflow_db, folder.artifacts)
+        if moved:
+            log.info("run folder moved or copied from %s: its MLflow artifacts now resolve in %s", moved,
+                     folder.artifacts)
     first_step, version = _resume_point(cfg, folder)
     if first_step >= cfg.iterations and Path(folder.summary).is_file():
         log.info("run %s: all %d iterations are published in %s; nothing to do", cfg.run_name, cfg.iterations,

@@ -27,8 +27,8 @@ from flows.schema import ConfigError, GRPOConfig, config_to_dict
 __all__ = ["SAFE_TO_CHANGE", "PreflightError", "config_differences", "check_model_folder", "check_draft_folder",
            "check_devices", "check_eval_data", "check_run_folder", "check_task_prompts", "preflight"]
 
-SAFE_TO_CHANGE = ("iterations", "runs_dir", "cluster.", "mlflow.", "plan.", "eval.", "train.keep_optimizer_state",
-                  "train.keep_versions", "train.keep_every")
+SAFE_TO_CHANGE = ("iterations", "run_name", "runs_dir", "cluster.", "mlflow.", "plan.", "eval.",
+                  "train.keep_optimizer_state", "train.keep_versions", "train.keep_every")
 """Config keys (or key prefixes, ending in '.') a resumed run may change: they decide how long and
 where the run goes and what it keeps on disk, not what it computes. docs/reliability.md lists them."""
 
@@ -215,6 +215,11 @@ def check_task_prompts(cfg: GRPOConfig) -> None:
     except Exception as exc:
         raise _model_error(Path(cfg.model.path), f"tokenizer.json cannot be used: "
                                                  f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from None
+    top = max(codec.tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
+    rows = int(load_hf_config(cfg.model.path)["vocab_size"])
+    if top >= rows:
+        raise _model_error(Path(cfg.model.path), f"tokenizer.json has token id {top}, the model's vocabulary (config.json "
+                                                 f"vocab_size) ends at {rows - 1}: the tokenizer is not the model's")
     try:
         source = open_prompt_source(cfg.dataset, codec, cfg.task.prompts_per_step)
     except DatasetError as exc:

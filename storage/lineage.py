@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import posixpath
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -33,7 +34,7 @@ from mlflow.types import Schema, TensorSpec
 
 __all__ = [
     "EXPERIMENT_KIND_TAG", "TRAINING_EXPERIMENT_KIND", "ZarrDatasetSource", "Lineage", "StepRun",
-    "experiment_page", "flatten", "git_commit", "iteration_runs", "rollout_schema",
+    "experiment_page", "flatten", "git_commit", "iteration_runs", "relocate_artifacts", "rollout_schema",
     "ui_command", "ui_environment",
 ]
 
@@ -203,7 +204,7 @@ class Lineage:
         if run_id is not None:
             # A resumed run continues its parent run: params and config.yaml are logged already.
             self.run_id = run_id
-            self.client.update_run(run_id, status="RUNNING")
+            self.client.update_run(run_id, status="RUNNING", name=run_name)  # a copied folder's new name
             self._log(run_id, tags=tags)
             return
         all_tags = {_GIT_COMMIT_TAG: commit or git_commit(), **(tags or {})}
@@ -282,6 +283,25 @@ class Lineage:
 
     def finish(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status, end_time=_now_ms())
+
+
+def relocate_artifacts(db_path: str | Path, artifacts: str) -> str | None:
+    """Point the artifact locations in a run folder's own MLflow store (sqlite ``db_path``) at
+    ``artifacts``, the folder's artifact root, when they name another one: the folder was copied or
+    moved, and MLflow records absolute paths, so the copy would otherwise log into, and show, the
+    original's artifacts. Returns the old root (None when nothing pointed elsewhere). MLflow has no
+    call for this; its ``experiments.artifact_location`` and ``runs.artifact_uri`` columns are
+    rewritten in one transaction."""
+    if not Path(db_path).is_file():
+        return None
+    with sqlite3.connect(db_path) as db:
+        old = {row[0] for row in db.execute("SELECT artifact_location FROM experiments") if row[0]}
+        moved = sorted(o for o in old if o != artifacts and o.endswith("/mlartifacts"))
+        for root in moved:
+            db.execute("UPDATE runs SET artifact_uri = ? || substr(artifact_uri, ?) "
+                       "WHERE substr(artifact_uri, 1, ?) = ?", (artifacts, len(root) + 1, len(root) + 1, root + "/"))
+            db.execute("UPDATE experiments SET artifact_location = ? WHERE artifact_location = ?", (artifacts, root))
+    return moved[0] if moved else None
 
 
 def iteration_runs(tracking_uri: str, parent_run_id: str):

@@ -170,6 +170,10 @@ CASES = [
     ("model-wrong-shape", "hf", _model(intermediate_size=64), r"tensor model.layers.0.mlp.\w+_proj.weight has shape \[\d+, \d+\], config.json implies"),
     ("model-wrong-vocab", "hf", _model(vocab_size=99), r"tensor (lm_head|model.embed_tokens).weight has shape \[17, 32\], config.json implies \[99, 32\]"),
     ("model-more-layers", "hf", _model(num_hidden_layers=5), r"tensor model.layers.4.\S+ is missing"),
+    ("model-tokenizer-ids-past-vocab", "hf", lambda run, hf: _edit_json(hf / "tokenizer.json", model={
+        **json.loads(make_tokenizer_json())["model"], "vocab": {**json.loads(make_tokenizer_json())["model"]["vocab"],
+                                                                 "-": 20}}),
+     r"tokenizer.json has token id 20, the model's vocabulary \(config.json vocab_size\) ends at 16"),
     ("model-tokenizer-not-json", "hf", lambda run, hf: (hf / "tokenizer.json").write_text("{"), r"tokenizer.json cannot be used"),
     ("prompt-wider-than-width", "hf", lambda run, hf: (hf / "tokenizer.json").write_text(_char_split_tokenizer()),
      r"prompts take up to \d+ tokens under model.path's tokenizer, the step layout's prompt width is 7"),

@@ -6,9 +6,11 @@ must exit with the driver, so none writes into the rerun."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -116,18 +118,30 @@ def two_runs(tmp_path_factory):
         while any(_alive(p) for p in workers) and time.time() < deadline:
             time.sleep(0.1)
         orphans[-1] += ([p for p in workers if _alive(p)],)
+    # A copy of the killed run under another runs_dir and run_name resumes too, and leaves the original alone.
+    shutil.copytree(root / "b" / "r", root / "c" / "copy", symlinks=True)
+    before = _tree_digest(root / "b" / "r")
+    _finish(_driver(root / "c", "copy", env))
+    original_untouched = _tree_digest(root / "b" / "r") == before
     _finish(_driver(root / "b", "r", env))
-    return root / "a" / "r", root / "b" / "r", orphans
+    return root / "a" / "r", root / "b" / "r", orphans, (root / "c" / "copy", original_untouched)
+
+
+def _tree_digest(root: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 def test_killed_workers_exit_with_the_driver(two_runs):
-    _, _, orphans = two_runs
+    _, _, orphans, _ = two_runs
     assert all(workers for _, _, workers, _ in orphans)
     assert [(s, st, alive) for s, st, _, alive in orphans if alive] == []
 
 
 def test_final_policy_and_optimizer_state_equal(two_runs):
-    a, b, _ = two_runs
+    a, b, *_ = two_runs
     pa, pb = PolicyStore(a / "policy"), PolicyStore(b / "policy")
     for v in range(ITERATIONS + 1):
         assert pa.verify(v).sha256 == pb.verify(v).sha256, f"v{v}"
@@ -143,7 +157,7 @@ def test_final_policy_and_optimizer_state_equal(two_runs):
 
 
 def test_every_zarr_array_equal(two_runs):
-    a, b, _ = two_runs
+    a, b, *_ = two_runs
     sa, sb = RolloutStore(a / "rollouts.zarr"), RolloutStore(b / "rollouts.zarr")
     assert sa.steps() == sb.steps() == list(range(ITERATIONS))
     for step in range(ITERATIONS):
@@ -153,7 +167,7 @@ def test_every_zarr_array_equal(two_runs):
 
 
 def test_training_metrics_equal_and_summary_covers_every_step(two_runs):
-    a, b, _ = two_runs
+    a, b, *_ = two_runs
     ja, jb = (json.loads((r / "summary.json").read_text()) for r in (a, b))
     assert [m["step"] for m in jb["metrics"]] == list(range(ITERATIONS))
     for ma, mb in zip(ja["metrics"], jb["metrics"]):
@@ -165,3 +179,18 @@ def test_training_metrics_equal_and_summary_covers_every_step(two_runs):
 
     children = iteration_runs(jb["tracking_uri"], jb["mlflow_run_id"])
     assert list(children["tags.grpoflow.step"]) == [str(s) for s in range(ITERATIONS)]
+
+
+def test_a_copied_run_folder_resumes_under_its_new_name(two_runs):
+    a, _, _, (copy, original_untouched) = two_runs
+    assert original_untouched  # the copy's resume wrote nothing into the folder it was copied from
+    pa, pc = PolicyStore(a / "policy"), PolicyStore(copy / "policy")
+    assert pc.verify(ITERATIONS).sha256 == pa.verify(ITERATIONS).sha256
+    summary = json.loads((copy / "summary.json").read_text())
+    assert [m["step"] for m in summary["metrics"]] == list(range(ITERATIONS))
+    import mlflow
+
+    client = mlflow.tracking.MlflowClient(summary["tracking_uri"])
+    parent = client.get_run(summary["mlflow_run_id"])
+    assert parent.info.run_name == "copy"
+    assert parent.info.artifact_uri.startswith(f"{copy}/mlartifacts/")

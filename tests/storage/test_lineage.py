@@ -17,7 +17,7 @@ import mlflow
 
 from flows.background import BackgroundQueue  # noqa: E402
 from storage.lineage import (EXPERIMENT_KIND_TAG, Lineage, experiment_page, git_commit, iteration_runs,  # noqa: E402
-                             ui_command)
+                             relocate_artifacts, ui_command)
 
 CONFIG = {"run_name": "t", "train": {"schedule": "1f1b", "lr": 7e-4}, "reward": {"functions": ("exact_match",)}}
 
@@ -178,3 +178,26 @@ def test_background_queue_thread_yields_the_cpu():
     queue.close()
     assert worker == 19  # raising one's own niceness needs no privilege
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own  # the caller's is untouched
+
+
+def test_a_copied_folder_s_store_is_pointed_at_its_own_artifacts(tmp_path):
+    import shutil
+
+    a, b = tmp_path / "a" / "run", tmp_path / "b" / "run_2"
+    a.mkdir(parents=True)
+    note = tmp_path / "note.txt"
+    note.write_text("x")
+    made = Lineage(f"sqlite:///{a / 'mlflow.db'}", "grpoflow", "run", CONFIG, artifact_location=str(a / "mlartifacts"))
+    made.log_artifact(made.run_id, str(note))
+    assert relocate_artifacts(a / "mlflow.db", str(a / "mlartifacts")) is None  # in place: nothing to do
+    shutil.copytree(a, b)
+    original = (a / "mlflow.db").read_bytes()
+    assert relocate_artifacts(b / "mlflow.db", str(b / "mlartifacts")) == str(a / "mlartifacts")
+    assert relocate_artifacts(b / "mlflow.db", str(b / "mlartifacts")) is None
+    assert (a / "mlflow.db").read_bytes() == original
+    client = mlflow.tracking.MlflowClient(f"sqlite:///{b / 'mlflow.db'}")
+    assert client.get_experiment_by_name("grpoflow").artifact_location == str(b / "mlartifacts")
+    run = client.get_run(made.run_id)
+    assert run.info.artifact_uri == f"{b}/mlartifacts/{made.run_id}/artifacts"
+    assert [f.path for f in client.list_artifacts(made.run_id)] == ["config.yaml", "note.txt"]
+    assert relocate_artifacts(tmp_path / "none.db", "x") is None

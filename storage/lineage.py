@@ -34,7 +34,8 @@ from mlflow.types import Schema, TensorSpec
 
 __all__ = [
     "EXPERIMENT_KIND_TAG", "TRAINING_EXPERIMENT_KIND", "ZarrDatasetSource", "Lineage", "StepRun",
-    "experiment_page", "flatten", "git_commit", "iteration_runs", "relocate_artifacts", "rollout_schema",
+    "MAIN_METRICS", "experiment_page", "flatten", "git_commit", "iteration_runs", "parent_metric_names",
+    "relocate_artifacts", "rollout_schema",
     "ui_command", "ui_environment",
 ]
 
@@ -44,6 +45,19 @@ _MAX_PARAM_LEN = 500  # MLflow's limit on a param value's length
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 TRAINING_EXPERIMENT_KIND = "custom_model_development"
 _GIT_COMMIT_TAG = "mlflow.source.git.commit"  # MLflow's own key: the run page shows it
+PARENT_SECTION = "grpo"
+MAIN_METRICS = ("reward_mean", "reward_std", "loss", "kl", "clip_fraction", "grad_norm", "completion_length_mean",
+                "truncated_fraction", "iteration_seconds", "mfu", "eval_greedy_accuracy", "eval_accuracy",
+                "eval_greedy_format_rate")
+"""The curves a reader of a run looks at first. On the parent run they are logged as
+``grpo/<name>``: MLflow's run page draws a section per name prefix, alphabetically, before the
+unprefixed "Model metrics" (the diagnostics), so they come first, above ``reward/<function>``.
+Child runs keep the plain names (the runs table's columns)."""
+
+
+def parent_metric_names(metrics: dict[str, float]) -> dict[str, float]:
+    """``metrics`` under the names the parent run logs them with (:data:`MAIN_METRICS`)."""
+    return {(f"{PARENT_SECTION}/{k}" if k in MAIN_METRICS else k): v for k, v in metrics.items()}
 
 
 class ZarrDatasetSource(DatasetSource):
@@ -124,10 +138,10 @@ class StepRun:
     def log_metrics(self, metrics: dict[str, float], on_parent: bool = True, tags: dict[str, str] | None = None
                     ) -> None:
         """The step's metrics (and ``tags``, in the same call); the parent gets the metrics too, so
-        the UI plots the curve on one page."""
+        the UI plots the curve on one page, the main ones first (:data:`MAIN_METRICS`)."""
         self.lineage._log(self.run_id, metrics=metrics, tags=tags, step=self.step)
         if on_parent:
-            self.lineage._log(self.lineage.run_id, metrics=metrics, step=self.step)
+            self.lineage._log(self.lineage.run_id, metrics=parent_metric_names(metrics), step=self.step)
 
     @staticmethod
     def policy_tags(version_out: int, path: str, sha256: str) -> dict[str, str]:
@@ -273,7 +287,7 @@ class Lineage:
         logged = {h.step for h in self.client.get_metric_history(self.run_id, "eval_seconds")} if results else set()
         for version, metrics in sorted(results.items()):
             if version not in logged:
-                self._log(self.run_id, metrics=metrics, step=version)
+                self._log(self.run_id, metrics=parent_metric_names(metrics), step=version)
 
     def log_summary(self, metrics: dict[str, float], artifact_paths: list[str] = ()) -> None:
         self._log(self.run_id, metrics=metrics)

@@ -89,7 +89,7 @@ def test_every_version_is_evaluated_stored_and_logged(runs):
     # Stored rows give the stored metric.
     assert rows["correct"][rows["greedy"]].mean() == pytest.approx(evaluated.eval[1]["eval_greedy_accuracy"])
     history = mlflow.MlflowClient(evaluated.tracking_uri).get_metric_history(evaluated.mlflow_run_id,
-                                                                             "eval_greedy_accuracy")
+                                                                             "grpo/eval_greedy_accuracy")
     assert sorted((h.step, h.value) for h in history) == [(v, evaluated.eval[v]["eval_greedy_accuracy"])
                                                           for v in (0, 1, 2)]
 

@@ -70,8 +70,10 @@ def test_child_run_spans_the_step_and_records_versions(lineage):
     assert run.data.tags["policy.version_in"] == "0" and run.data.tags["policy.version_out"] == "1"
     assert run.data.tags["mlflow.parentRunId"] == lineage.run_id
     assert run.data.metrics == {"reward_mean": 0.25, "loss": 1.5}
-    parent = lineage.client.get_metric_history(lineage.run_id, "reward_mean")
+    # On the parent the main curves form the "grpo" section, drawn first.
+    parent = lineage.client.get_metric_history(lineage.run_id, "grpo/reward_mean")
     assert [(m.step, m.value) for m in parent] == [(0, 0.25)]
+    assert lineage.client.get_metric_history(lineage.run_id, "reward_mean") == []
 
 
 def test_failed_step_ends_failed(lineage):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -157,6 +158,14 @@ def test_mlflow_ui_shows_runs_plots_and_samples(page, finished_run, ui):
     page.wait_for_function("img => img.complete && img.naturalWidth > 0", arg=image.element_handle(), timeout=30_000)
     assert image.evaluate("img => [img.naturalWidth, img.naturalHeight]") == [640, 360]
     page.screenshot(path=str(shots / "reward_plot.png"))
+
+    # The parent's charts: the main curves' section first, then the per-function rewards, then the diagnostics.
+    page.goto(f"{address}/#/experiments/{exp_id}/runs/{summary.mlflow_run_id}/model-metrics{view}")
+    page.wait_for_function("() => /Model metrics\\s*\\(\\d+\\)/.test(document.body.innerText)", timeout=60_000)
+    text = page.inner_text("body")
+    heads = [re.search(rf"{name}\s*\(\d+\)", text) for name in ("grpo", "reward", "Model metrics")]
+    assert all(heads) and heads[0].start() < heads[1].start() < heads[2].start(), text[:2000]
+    page.screenshot(path=str(shots / "parent_charts.png"))
 
     # The last step's decoded samples, shown as a table.
     child = runs["run_id"].iloc[1]

@@ -6,12 +6,14 @@ sources, weight-sync endpoints) is held by flows/worker.py; the tasks here fetch
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
 from typing import Callable
 
 import numpy as np
+import torch
 
 from flows import weight_sync
 from flows.schema import GRPOConfig, config_hash
@@ -33,6 +35,9 @@ from storage.rollouts import RolloutStore, StepLayout, StepRef
 from storage.run_folder import RunFolder
 
 log = logging.getLogger(__name__)
+
+TIED_NAME = "model.embed_tokens.weight"
+"""A tied embedding's HF name: the head of the last pipeline stage is this tensor too."""
 
 __all__ = [
     "TRAIN_FAULT_ENV", "exit_with_parent", "worker_ready", "make_base_policy", "init_train_rank",
@@ -390,10 +395,17 @@ def train_task(cfg: GRPOConfig, ref: StepRef, folder: RunFolder, new_version: in
         result = engine.train_step(batch)
     t0 = time.perf_counter()
     layout, coord = engine.layout, engine.coord
-    num_bytes, shard = 0, None
+    num_bytes, shard, tied = 0, None, {}
     if coord.dp == 0 and coord.tp == 0:  # one writer per pipeline rank; hf_state gathers TP shards
         shard = engine.hf_state()
-        num_bytes = folder.policy_store().save_shard(new_version, coord.pp, layout.pp, shard)
+        kept = shard
+        if engine.setup.model.tie_word_embeddings and layout.pp > 1 and TIED_NAME in shard:
+            # The first and the last stage hold bit-identical copies (the same summed gradient, the
+            # same AdamW step): the version stores the first stage's, publish checks the digests agree.
+            tied = {"tied_sha256": hashlib.sha256(shard[TIED_NAME].contiguous().view(torch.uint8).numpy()).hexdigest()}
+            if not engine.holds_first:
+                kept = {k: v for k, v in shard.items() if k != TIED_NAME}
+        num_bytes = folder.policy_store().save_shard(new_version, coord.pp, layout.pp, kept)
     elif layout.tp > 1 and coord.dp == 0:
         engine.hf_state()  # a collective over the TP group: its other ranks take part
     # Each rank's optimiser state goes beside the shards, before publish writes the manifest.
@@ -402,7 +414,7 @@ def train_task(cfg: GRPOConfig, ref: StepRef, folder: RunFolder, new_version: in
     sync = weight_sync.send_version(cfg.run_name, shard, new_version)  # {} unless weight_sync=memory
     return {"rank": engine.rank, "metrics": result.metrics, "window_ns": result.window_ns,
             "events": chrome_events(engine.rank, result.actions, result.window_ns, origin_ns=0),
-            "shard_bytes": num_bytes, "shard_seconds": shard_s, **sync, **fused,
+            "shard_bytes": num_bytes, "shard_seconds": shard_s, **sync, **fused, **tied,
             "task_start": t_start, "task_end": time.time()}
 
 
@@ -413,6 +425,11 @@ def publish_task(folder: RunFolder, ref: StepRef, new_version: int, base: Policy
     first, with ``train_attrs`` (one task fewer between the ranks' step and the next rollout).
     ``after``: tasks that mark the step's earlier stages, so train is never marked before them."""
     if trains:
+        tied = {t["rank"]: t["tied_sha256"] for t in trains if "tied_sha256" in t}
+        if len(set(tied.values())) > 1:
+            copies = ", ".join(f"rank {r}: {sha[:12]}" for r, sha in sorted(tied.items()))
+            raise PolicyStoreError(f"policy v{new_version}: the training ranks' copies of the tied embedding differ "
+                                   f"(sha256 {copies}); a version stores one copy, so this one is not published")
         fused = [t["reference"] for t in trains if "reference" in t]
         if fused:  # train.reference_pass = fused: the output rank's train task ran and stored the pass
             mark_stage_complete(ref, "reference", *fused)

@@ -1,10 +1,14 @@
 """train.keep_versions: a run keeps the newest N versions whole, v0, every keep_every-th and the
 last; the others keep only their manifest, config and tokenizer, and the run still resumes exactly
-where it stopped (the resume walk counts a dropped version as published)."""
+where it stopped (the resume walk counts a dropped version as published). A tied embedding is
+stored once, in the first pipeline stage's shard."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from safetensors import safe_open
 
 from flows.config import load_config
 from flows.loop import keeps_version, remaining_steps, run, run_folder
@@ -17,7 +21,8 @@ pytestmark = pytest.mark.slow
 def _cfg(runs_dir, *extra):
     return load_config("configs/tiny.yaml", [f"runs_dir={runs_dir}", "run_name=keep", "warmup.steps=20",
                                              "task.prompts_per_step=8", "train.micro_batch_size=16",
-                                             "train.keep_versions=2", "train.keep_every=3", *extra])
+                                             "train.keep_versions=2", "train.keep_every=3",
+                                             "model.tie_word_embeddings=true", *extra])
 
 
 def test_old_versions_lose_their_weights_and_the_run_resumes(tmp_path):
@@ -31,6 +36,12 @@ def test_old_versions_lose_their_weights_and_the_run_resumes(tmp_path):
         store.verify(v)  # a dropped version passes the resume check: nothing of it is read
         with pytest.raises(PolicyStoreError, match=rf"policy v{v}: its weights were deleted"):
             store.ref(v)
+    # The tied embedding is stored once, in the first stage's shard; the index names that file.
+    with safe_open(str(store.version_path(5) / "model-00001-of-00002.safetensors"), "pt") as first, \
+            safe_open(str(store.version_path(5) / "model-00002-of-00002.safetensors"), "pt") as last:
+        assert "model.embed_tokens.weight" in first.keys() and "model.embed_tokens.weight" not in last.keys()
+    weight_map = json.loads((store.version_path(5) / "model.safetensors.index.json").read_text())["weight_map"]
+    assert weight_map["model.embed_tokens.weight"] == "model-00001-of-00002.safetensors"
     before = (store.version_path(5) / "model.safetensors.index.json").read_bytes()
     more = _cfg(tmp_path, "iterations=7", "train.keep_every=6")  # safe to change on resume
     assert remaining_steps(more) == range(5, 7)  # v1, v2 dropped: still counted as published
@@ -54,3 +65,12 @@ def test_an_async_run_keeps_what_its_stale_steps_start_from(tmp_path):
     run(cfg, progress=False)
     store = run_folder(cfg).policy_store()
     assert [v for v in range(5) if not store.is_dropped(v)] == [0, 2, 3, 4]
+
+
+def test_publish_refuses_tied_embedding_copies_that_differ(tmp_path):
+    from flows.tasks import publish_task
+
+    trains = ({"rank": 0, "tied_sha256": "a" * 64}, {"rank": 1, "tied_sha256": "b" * 64})
+    with pytest.raises(PolicyStoreError, match=r"policy v3: the training ranks' copies of the tied embedding differ "
+                                               r"\(sha256 rank 0: aaaaaaaaaaaa, rank 1: bbbbbbbbbbbb\)"):
+        publish_task(run_folder(_cfg(tmp_path)), None, 3, None, 2, None, trains)

@@ -224,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     except RunFolderError as exc:
         print(f"grpoflow: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the run's clean-up has run (flows/loop.py), no traceback
+        hint = "; the same command resumes it from the stages it completed" if args.command == "run" else ""
+        print(f"grpoflow: interrupted{hint}", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # the reader left (grpoflow config | head): nothing more to say to it
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
         return 0

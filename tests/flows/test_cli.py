@@ -156,3 +156,58 @@ def test_the_working_folder_reaches_the_workers_through_pythonpath(monkeypatch, 
     _working_folder_importable()
     assert os.environ["PYTHONPATH"].split(os.pathsep) == ["/somewhere", str(tmp_path)]
     assert sys.path[-1] == str(tmp_path)  # last: a stray numpy.py there shadows nothing
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every living process below ``pid`` (from /proc)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            parents[int(stat.parent.name)] = int(fields[1])
+    out, frontier = [], [pid]
+    while frontier:
+        children = [p for p, parent in parents.items() if parent in frontier]
+        out += children
+        frontier = children
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_run_in_one_line_and_leaves_no_process(tmp_path):
+    from flows.config import load_config
+    from flows.loop import run_folder
+
+    overrides = ["iterations=50", f"runs_dir={tmp_path}", "run_name=ctrl-c", "warmup.steps=5"]
+    proc = subprocess.Popen([*GRPOFLOW, "run", "--quiet", "configs/tiny.yaml", *overrides], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    folder = run_folder(load_config("configs/tiny.yaml", overrides))
+    deadline = time.monotonic() + 300
+    while not (Path(folder.rollouts) / "step_1").exists():  # step 0 is published: the run is under way
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
+        time.sleep(0.2)
+    workers = _descendants(proc.pid)
+    assert workers
+    proc.send_signal(signal.SIGINT)
+    t0 = time.monotonic()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert time.monotonic() - t0 < 60
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
+        "grpoflow: interrupted; the same command resumes it from the stages it completed")
+    deadline = time.monotonic() + 20
+    while any(map(_alive, workers)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [p for p in workers if _alive(p)] == []
+    with folder.lock():  # the driver's lock went with it
+        pass

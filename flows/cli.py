@@ -19,6 +19,7 @@ _OVERRIDES_HELP = "optional key=value overrides of the config, e.g. iterations=5
 def _cmd_run(args: argparse.Namespace) -> int:
     from flows.config import load_config
     from flows.loop import format_summary, fresh_run, remaining_steps, run, run_folder
+    from flows.preflight import check_run_config
 
     cfg = load_config(args.config, args.overrides)
     if args.new and run_folder(cfg).exists():
@@ -26,6 +27,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"starting over as run {cfg.run_name} in {run_folder(cfg).root}", flush=True)
     folder = run_folder(cfg)
     if not remaining_steps(cfg) and Path(folder.summary).is_file():
+        check_run_config(cfg, folder)  # finished or not, a changed config is refused
         print(f"run {cfg.run_name}: all {cfg.iterations} iterations are published in {folder.root}; "
               "nothing to do (raise iterations= to continue it)")
         return 0

@@ -25,7 +25,8 @@ from storage.model_folder import ModelFolderError, load_hf_config
 from flows.schema import ConfigError, GRPOConfig, config_to_dict
 
 __all__ = ["SAFE_TO_CHANGE", "PreflightError", "config_differences", "check_model_folder", "check_draft_folder",
-           "check_devices", "check_eval_data", "check_run_folder", "check_task_prompts", "preflight"]
+           "check_devices", "check_eval_data", "check_run_config", "check_run_folder", "check_task_prompts",
+           "preflight"]
 
 SAFE_TO_CHANGE = ("iterations", "run_name", "runs_dir", "cluster.", "mlflow.", "plan.", "eval.",
                   "train.keep_optimizer_state", "train.keep_versions", "train.keep_every")
@@ -184,9 +185,9 @@ def _check_policies(folder) -> None:
             raise PreflightError(str(exc).splitlines()[0]) from None
 
 
-def check_run_folder(cfg: GRPOConfig, folder) -> dict[str, Any] | None:
-    """An existing run folder the run may resume: same config (but safe keys), readable steps, policy
-    versions matching their manifests. Returns its run.json (None for a fresh folder)."""
+def check_run_config(cfg: GRPOConfig, folder) -> dict[str, Any] | None:
+    """The run folder's run.json when it was started with ``cfg`` (but safe keys); None when it has
+    none. Cheap: also asked of a finished run, which a changed config must not pass as "nothing to do"."""
     from storage.run_folder import RunFolderError
 
     try:
@@ -195,7 +196,14 @@ def check_run_folder(cfg: GRPOConfig, folder) -> dict[str, Any] | None:
         raise PreflightError(str(exc).splitlines()[0]) from None
     if state is not None:
         _check_config(cfg, state, folder)
-    elif Path(folder.rollouts).exists() or Path(folder.policies).exists():
+    return state
+
+
+def check_run_folder(cfg: GRPOConfig, folder) -> dict[str, Any] | None:
+    """An existing run folder the run may resume: same config (but safe keys), readable steps, policy
+    versions matching their manifests. Returns its run.json (None for a fresh folder)."""
+    state = check_run_config(cfg, folder)
+    if state is None and (Path(folder.rollouts).exists() or Path(folder.policies).exists()):
         raise PreflightError(f"run folder {folder.root} holds steps but no run.json, so its config is unknown; "
                              "run with --new (or another run_name) to start over")
     _check_steps(cfg, folder)

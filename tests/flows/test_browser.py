@@ -92,6 +92,13 @@ def test_rerun_says_nothing_to_do_and_leaves_summary_alone(finished_run):
     assert (path.read_bytes(), path.stat().st_mtime_ns) == before
     again = run(cfg, progress=False)  # the API says so too, without starting a cluster
     assert (path.read_bytes(), path.stat().st_mtime_ns) == before and again.iterations == 2
+    # A changed config is refused, finished run or not, never passed as "nothing to do".
+    changed = subprocess.run(GRPOFLOW + ["run", "configs/tiny.yaml", *OVERRIDES, f"runs_dir={run_dir.parent}",
+                                         "train.lr=0.5", "--quiet"], capture_output=True, text=True, timeout=300, cwd=_REPO)
+    assert changed.returncode == 2 and "nothing to do" not in changed.stdout
+    assert changed.stderr.strip().endswith("was started with a different config: train.lr differ; run with --new "
+                                           "(or another run_name) to start over"), changed.stderr
+    assert (path.read_bytes(), path.stat().st_mtime_ns) == before
 
 
 @pytest.fixture(scope="module")

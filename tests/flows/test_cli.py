@@ -189,8 +189,11 @@ def test_ctrl_c_stops_a_run_in_one_line_and_leaves_no_process(tmp_path):
     from flows.loop import run_folder
 
     overrides = ["iterations=50", f"runs_dir={tmp_path}", "run_name=ctrl-c", "warmup.steps=5"]
+    # As at a terminal: a shell's background job (CI's, say) starts with SIGINT ignored, and Python
+    # then installs no KeyboardInterrupt handler.
     proc = subprocess.Popen([*GRPOFLOW, "run", "--quiet", "configs/tiny.yaml", *overrides], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     folder = run_folder(load_config("configs/tiny.yaml", overrides))
     deadline = time.monotonic() + 300
     while not (Path(folder.rollouts) / "step_1").exists():  # step 0 is published: the run is under way

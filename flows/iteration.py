@@ -607,7 +607,8 @@ def _failure(client: Client, pools: Pools, step: int, stage: str, exc: BaseExcep
     task never ends while its peers' end at train.timeout_s, and the rank counts as lost once it has
     been silent for ``pools.silence_s``."""
     ranks = stage in ("reference", "train")
-    limit = time.monotonic() + (pools.silence_s + _LOST_GRACE_S if ranks else 0.0)
+    grace = _LOST_GRACE_S if ranks else 0.0
+    limit = time.monotonic() + (pools.silence_s + grace if ranks else 0.0)
     settled = None  # when every rank's task had ended
     while True:
         lost = lost_workers(client, pools)
@@ -619,7 +620,7 @@ def _failure(client: Client, pools: Pools, step: int, stage: str, exc: BaseExcep
         now = time.monotonic()
         if settled is None and all(f.done() for f in work):
             settled = now
-        if now >= limit or (settled is not None and now - settled >= (_LOST_GRACE_S if ranks else 0.0)):
+        if now >= limit or (settled is not None and now - settled >= grace):
             error = IterationError(f"step {step}: stage {stage} failed: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
             return error

@@ -224,7 +224,7 @@ def check_task_prompts(cfg: GRPOConfig) -> None:
         raise _model_error(Path(cfg.model.path), f"tokenizer.json cannot be used: "
                                                  f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from None
     top = max(codec.tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
-    rows = int(load_hf_config(cfg.model.path)["vocab_size"])
+    rows = cfg.model_shape.vocab_size  # config.json's vocab_size
     if top >= rows:
         raise _model_error(Path(cfg.model.path), f"tokenizer.json has token id {top}, the model's vocabulary (config.json "
                                                  f"vocab_size) ends at {rows - 1}: the tokenizer is not the model's")

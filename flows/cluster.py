@@ -17,6 +17,8 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -120,6 +122,36 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def _detach_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker in a session of its own, before the embedded
+    cluster's nannies create their semaphores (/dev/shm/sem.mp-*), so that it outlives a kill of
+    the run's whole process group (``kill -9 -- -PGID``) and unlinks what the killed processes
+    left: it does so once every process holding its pipe is gone. Started in the run's group, it
+    died with them and the semaphores stayed until reboot. It ignores SIGINT and SIGTERM itself.
+
+    CPython starts the tracker on first use and offers no way to start it elsewhere, so this fills
+    in its process id and pipe (``multiprocessing.resource_tracker``'s private ``_fd``/``_pid``,
+    the same in 3.11 to 3.13); a tracker already running, or another implementation, is left as is."""
+    from multiprocessing import resource_tracker
+
+    tracker = getattr(resource_tracker, "_resource_tracker", None)
+    if sys.platform != "linux" or tracker is None or getattr(tracker, "_fd", 0) is not None \
+            or not hasattr(tracker, "_pid"):
+        return
+    r, w = os.pipe()
+    try:
+        proc = subprocess.Popen([sys.executable, "-B", "-c",
+                                 f"from multiprocessing.resource_tracker import main; main({r})"],
+                                pass_fds=(r,), stdin=subprocess.DEVNULL, start_new_session=True)
+    except OSError as exc:
+        os.close(w)
+        log.debug("resource tracker left to multiprocessing: %s", exc)
+        return
+    finally:
+        os.close(r)
+    tracker._fd, tracker._pid = w, proc.pid
+
+
 def start_cluster(cfg: GRPOConfig, timers: dict[str, str] = CLUSTER_TIMERS) -> tuple[Client, SpecCluster | None]:
     """A client on the configured scheduler, or on a new embedded cluster sized for ``cfg`` whose
     Dask servers run with the config settings ``timers`` ({}: Dask's own)."""
@@ -161,6 +193,7 @@ def start_cluster(cfg: GRPOConfig, timers: dict[str, str] = CLUSTER_TIMERS) -> t
     settings = {f"distributed.nanny.pre-spawn-environ.{k}": v for k, v in env.items()}
     settings["distributed.worker.profile.enabled"] = cfg.cluster.worker_profiler  # the nanny hands it on
     settings.update(timers)
+    _detach_resource_tracker()
     with dask.config.set(settings):
         cluster = _NannyCluster(workers=workers, scheduler=scheduler, silence_logs=logging.WARNING,
                                 name="grpoflow")

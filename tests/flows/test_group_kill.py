@@ -49,7 +49,6 @@ def test_a_group_kill_leaves_no_semaphore(tmp_path):
                              "cluster.num_plain_workers=1"], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.time() + 300
-    sems: set[str] = set()
     while not (tmp_path / "r" / "rollouts.zarr" / "step_1").exists():  # workers up, a step run
         assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
         assert time.time() < deadline, "no step ran"

@@ -4,6 +4,7 @@ plan a deployment, fetch a packaged model."""
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import subprocess
@@ -154,6 +155,23 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+_DISK_FULL = ("No space left on device", "database or disk is full", "Disk quota exceeded")
+
+
+def _disk_full(exc: BaseException) -> str | None:
+    """The message of the first error in ``exc``'s chain that says the disk is full, or None.
+    Matched by errno where the error kept it, else by text: a worker's error may arrive re-raised
+    or wrapped (a policy store's, MLflow's SQLite) with only its message left."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = str(exc)
+        if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(s in text for s in _DISK_FULL):
+            return text.splitlines()[0] if text else type(exc).__name__
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def _working_folder_importable() -> None:
     """Modules in the working folder (``reward.functions: [mytask.rewards:score]`` beside the config)
     import in this process and, through PYTHONPATH, in the embedded cluster's workers and their
@@ -233,6 +251,13 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader left (grpoflow config | head): nothing more to say to it
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
         return 0
+    except Exception as exc:
+        full = _disk_full(exc)
+        if full is None:
+            raise
+        hint = "; free space and run the same command to resume" if args.command == "run" else ""
+        print(f"grpoflow: the disk is full: {full}{hint}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -494,7 +494,10 @@ def _loop(client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, policy: Poli
         try:
             result = _finish_step(pending, advance)
         except BaseException:
-            queue.submit(lambda: open_child(step, submitted[step][1]).end("FAILED"))
+            try:  # the step's own error is the one to report, not a failed bookkeeping call's
+                queue.submit(lambda: open_child(step, submitted[step][1]).end("FAILED"))
+            except Exception as exc:
+                log.warning("step %d: its child run is not marked FAILED: %s", step, exc)
             raise
         done_ms = int(time.time() * 1000)
         bar.close()

@@ -214,3 +214,21 @@ def test_ctrl_c_stops_a_run_in_one_line_and_leaves_no_process(tmp_path):
     assert [p for p in workers if _alive(p)] == []
     with folder.lock():  # the driver's lock went with it
         pass
+
+
+def test_disk_full_is_found_anywhere_in_the_chain():
+    import errno
+
+    from flows.cli import _disk_full
+
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device", "/runs/r/policy/v3/shard0.safetensors")
+        except OSError as exc:
+            raise RuntimeError("step 2: stage train failed") from exc
+    except RuntimeError as wrapped:
+        assert _disk_full(wrapped) == "[Errno 28] No space left on device: '/runs/r/policy/v3/shard0.safetensors'"
+    # a worker's error re-raised on the driver keeps only its text
+    assert _disk_full(RuntimeError("(sqlite3.OperationalError) database or disk is full\n[SQL: ...]")) == \
+        "(sqlite3.OperationalError) database or disk is full"
+    assert _disk_full(ValueError("loss is nan")) is None

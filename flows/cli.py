@@ -232,7 +232,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--version", type=int, action="append",
                    help="a policy version to evaluate (repeatable; default: the newest)")
     p.set_defaults(fn=_cmd_eval)
-    args = parser.parse_args(argv)
+    # Overrides may also follow an option (grpoflow run cfg.yaml --quiet iterations=3): argparse
+    # ends the positional list at the first option and leaves the rest unrecognised.
+    args, extra = parser.parse_known_args(argv)
+    if extra and isinstance(getattr(args, "overrides", None), list) and all(
+            "=" in e and not e.startswith("-") for e in extra):
+        args.overrides += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from flows.schema import ConfigError
     from storage.run_folder import RunFolderError
 

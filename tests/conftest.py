@@ -84,6 +84,26 @@ def _one_torch_thread():
     yield
 
 
+TINY_CLI_ITERATIONS = 3
+
+
+@pytest.fixture(scope="session")
+def tiny_cli_run(tmp_path_factory) -> Path:
+    """The folder of an uninterrupted ``grpoflow run configs/tiny.yaml iterations=3`` (run_name r),
+    run once for the tests that compare another path's run of it with this one."""
+    import os
+    import subprocess
+    import sys
+
+    root = tmp_path_factory.mktemp("tiny_cli")
+    env = {**os.environ, "GRPOFLOW_CACHE": str(root / "cache"), "PYTHONPATH": os.getcwd()}
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", f"runs_dir={root}",
+                           f"iterations={TINY_CLI_ITERATIONS}", "run_name=r", "--quiet"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root / "r"
+
+
 def assert_loaded_from(run: Path, step: int, source: str, engines: int) -> list[dict]:
     """Every rollout task of ``step`` in run folder ``run`` got its weights from ``source`` ("disk"
     or "memory") or found that version held, and at least one loaded it. Any engine may take any of

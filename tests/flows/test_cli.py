@@ -232,3 +232,16 @@ def test_disk_full_is_found_anywhere_in_the_chain():
     assert _disk_full(RuntimeError("(sqlite3.OperationalError) database or disk is full\n[SQL: ...]")) == \
         "(sqlite3.OperationalError) database or disk is full"
     assert _disk_full(ValueError("loss is nan")) is None
+
+
+def test_overrides_may_follow_an_option_and_strays_are_refused():
+    # parsed the same as before the option: the override reaches the config (and its error names it)
+    proc = subprocess.run(GRPOFLOW + ["run", "configs/tiny.yaml", "--quiet", "train.schedule=zigzag"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "train.schedule" in proc.stderr.strip().splitlines()[-1], proc.stderr
+    proc = subprocess.run(GRPOFLOW + ["config", "configs/tiny.yaml", "--keys", "iterations=7"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "\niterations=7\n" in f"\n{proc.stdout}", proc.stderr
+    proc = subprocess.run(GRPOFLOW + ["run", "configs/tiny.yaml", "--quiet", "stray"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "unrecognized arguments: stray" in proc.stderr

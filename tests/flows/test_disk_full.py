@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import assert_same_runs
+from tests.conftest import TINY_CLI_ITERATIONS, assert_same_runs
 
 pytestmark = pytest.mark.slow
 
-ITERATIONS = 3
-OVERRIDES = [f"iterations={ITERATIONS}", "cluster.num_plain_workers=1", "run_name=r", "--quiet"]
+ITERATIONS = TINY_CLI_ITERATIONS  # the uninterrupted run is the session's tiny_cli_run
+OVERRIDES = [f"iterations={ITERATIONS}", "run_name=r", "--quiet"]
 GRPOFLOW = [sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml"]
 
 
@@ -41,12 +41,15 @@ def _run(runs_dir: Path, env: dict) -> subprocess.CompletedProcess:
                           text=True, timeout=600)
 
 
-def test_a_full_disk_stops_in_one_line_and_resumes_exactly(tmp_path, small_disk):
+def test_a_full_disk_stops_in_one_line_and_resumes_exactly(tmp_path, small_disk, tiny_cli_run):
     env = {**os.environ, "GRPOFLOW_CACHE": str(tmp_path / "cache"), "PYTHONPATH": os.getcwd()}
     full = _run(small_disk, env)
     assert full.returncode == 1, full.stderr[-3000:]
     last = full.stderr.strip().splitlines()[-1]
-    assert last.startswith("grpoflow: the disk is full: ") and "No space left on device" in last, full.stderr[-3000:]
+    # The first write to fail (a policy shard, a Zarr chunk, MLflow's SQLite store: which one fills
+    # the disk depends on timing) is the one named.
+    assert last.startswith("grpoflow: the disk is full: "), full.stderr[-3000:]
+    assert "No space left on device" in last or "database or disk is full" in last, last
     assert last.endswith("free space and run the same command to resume")
     assert "Traceback (most recent call last)" not in full.stderr, full.stderr[-3000:]
     assert not (small_disk / "r" / "summary.json").exists()  # it stopped before the end
@@ -54,9 +57,7 @@ def test_a_full_disk_stops_in_one_line_and_resumes_exactly(tmp_path, small_disk)
     subprocess.run(["mount", "-o", "remount,size=1G", str(small_disk)], check=True)
     resumed = _run(small_disk, env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    whole = _run(tmp_path / "whole", env)
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    assert_same_runs(tmp_path / "whole" / "r", small_disk / "r", ITERATIONS, min_weight_files=2 * ITERATIONS)
+    assert_same_runs(tiny_cli_run, small_disk / "r", ITERATIONS, min_weight_files=2 * ITERATIONS)
 
     from storage.lineage import iteration_runs
 

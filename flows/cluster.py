@@ -30,7 +30,7 @@ from distributed.deploy.cluster import Cluster
 from flows.schema import ClusterConfig, GRPOConfig
 
 __all__ = ["ClusterError", "Pools", "start_cluster", "check_pools", "dashboard_link", "worker_addresses",
-           "run_on_workers", "lost_workers", "restart_train_workers"]
+           "run_on_workers", "lost_workers", "restart_train_workers", "worker_resources"]
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +177,27 @@ def _quiet_dashboard() -> None:
             logger.addFilter(_ClosedTabNoise())
 
 
+def worker_resources(cfg: GRPOConfig) -> dict[str, dict[str, int]]:
+    """The workers a run of ``cfg`` asks for, name -> Dask resources: a ``train`` worker per
+    training rank (colocated: the first rollout.num_engines also ``rollout``), decoupled a
+    ``rollout`` worker per engine, cluster.num_plain_workers with none, and an ``eval`` worker when
+    eval is on. The embedded cluster starts these; flows/deploy.py writes them for a cluster of
+    one's own."""
+    workers: dict[str, dict[str, int]] = {}
+    for rank in range(cfg.train.world_size):
+        workers[f"train-{rank}"] = {"train": 1}
+        if cfg.cluster.colocated_pools and rank < cfg.rollout.num_engines:
+            workers[f"train-{rank}"]["rollout"] = 1
+    if not cfg.cluster.colocated_pools:
+        for i in range(cfg.rollout.num_engines):
+            workers[f"rollout-{i}"] = {"rollout": 1}
+    for i in range(cfg.cluster.num_plain_workers):
+        workers[f"plain-{i}"] = {}
+    if cfg.eval.enabled:
+        workers["eval-0"] = {"eval": 1}
+    return workers
+
+
 def start_cluster(cfg: GRPOConfig, timers: dict[str, str] = CLUSTER_TIMERS) -> tuple[Client, SpecCluster | None]:
     """A client on the configured scheduler, or on a new embedded cluster sized for ``cfg`` whose
     Dask servers run with the config settings ``timers`` ({}: Dask's own)."""
@@ -188,19 +209,7 @@ def start_cluster(cfg: GRPOConfig, timers: dict[str, str] = CLUSTER_TIMERS) -> t
     if not _is_loopback(listen):
         log.warning("cluster.listen=%s: the run's scheduler, workers and TCPStores accept connections from "
                     "every host that reaches %s, without authentication (docs/reliability.md)", listen, listen)
-    workers: dict[str, dict] = {}
-    for rank in range(cfg.train.world_size):
-        res = {"train": 1}
-        if cfg.cluster.colocated_pools and rank < cfg.rollout.num_engines:
-            res["rollout"] = 1
-        workers[f"train-{rank}"] = _worker(res, listen)
-    if not cfg.cluster.colocated_pools:
-        for i in range(cfg.rollout.num_engines):
-            workers[f"rollout-{i}"] = _worker({"rollout": 1}, listen)
-    for i in range(cfg.cluster.num_plain_workers):
-        workers[f"plain-{i}"] = _worker({}, listen)
-    if cfg.eval.enabled:
-        workers["eval-0"] = _worker({"eval": 1}, listen)
+    workers = {name: _worker(res, listen) for name, res in worker_resources(cfg).items()}
     # Worker processes configure logging when they import distributed, from the environment.
     os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
     dask.config.set({"logging.distributed": "warning"})

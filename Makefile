@@ -7,7 +7,7 @@ CONFIG ?= configs/tiny.yaml
 
 CHROMIUM := /usr/bin/chromium
 
-.PHONY: run test setup chromium plan model vllm clean
+.PHONY: run test test-system setup chromium plan model vllm clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -53,7 +53,12 @@ run: $(STAMP)
 	$(BIN)/grpoflow run $(CONFIG)
 
 test: setup
-	$(BIN)/python -m pytest -q -x --durations=15
+	$(BIN)/python -m pytest -q -x --durations=15 -m "not system"
+
+# Runs that change the machine (network namespaces, a tmpfs mount): they need root and skip without
+# it. CI runs them after make test (.ci/run).
+test-system: setup
+	$(BIN)/python -m pytest -q -x --durations=5 -m system
 
 plan: $(STAMP)
 	$(BIN)/grpoflow plan configs/seed-70b.yaml --out docs/design-70b

@@ -244,12 +244,13 @@ def main(argv: list[str] | None = None) -> int:
                                    "an sbatch script, or Dask-operator manifests (docs/scaling.md).")
     p.add_argument("config", help="a YAML config, e.g. configs/tiny.yaml")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=_OVERRIDES_HELP)
-    p.add_argument("--format", choices=("shell", "slurm", "kubernetes"), default="shell")
+    p.add_argument("--format", choices=("shell", "slurm", "kubernetes"), default="shell",
+                   help="dask worker lines (default), an sbatch script, or Dask-operator manifests")
     p.add_argument("--scheduler", default=None, help="the scheduler's address (default: cluster.scheduler_address)")
     p.add_argument("--image", default=None, help="--format kubernetes: a container image with grpoflow installed")
-    p.add_argument("--tls-ca-file", default=None)
-    p.add_argument("--tls-cert", default=None)
-    p.add_argument("--tls-key", default=None)
+    p.add_argument("--tls-ca-file", default=None, help="the cluster's certificate authority (PEM), for TLS")
+    p.add_argument("--tls-cert", default=None, help="the workers' certificate (PEM)")
+    p.add_argument("--tls-key", default=None, help="the workers' private key (PEM)")
     p.set_defaults(fn=_cmd_workers)
     from storage.gguf_model import PACKAGED_MODELS  # stdlib imports only: no torch before parsing
 

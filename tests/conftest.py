@@ -85,11 +85,14 @@ def _one_torch_thread():
 
 
 TINY_CLI_ITERATIONS = 3
+# One rollout engine on a worker of its own: the layout tests/flows/test_hosts.py spreads over hosts.
+TINY_CLI_OVERRIDES = [f"iterations={TINY_CLI_ITERATIONS}", "run_name=r", "cluster.placement=decoupled",
+                      "rollout.num_engines=1", "--quiet"]
 
 
 @pytest.fixture(scope="session")
 def tiny_cli_run(tmp_path_factory) -> Path:
-    """The folder of an uninterrupted ``grpoflow run configs/tiny.yaml iterations=3`` (run_name r),
+    """The folder of an uninterrupted ``grpoflow run configs/tiny.yaml`` with TINY_CLI_OVERRIDES,
     run once for the tests that compare another path's run of it with this one."""
     import os
     import subprocess
@@ -98,8 +101,7 @@ def tiny_cli_run(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("tiny_cli")
     env = {**os.environ, "GRPOFLOW_CACHE": str(root / "cache"), "PYTHONPATH": os.getcwd()}
     done = subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", f"runs_dir={root}",
-                           f"iterations={TINY_CLI_ITERATIONS}", "run_name=r", "--quiet"], env=env,
-                          capture_output=True, text=True, timeout=600)
+                           *TINY_CLI_OVERRIDES], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return root / "r"
 

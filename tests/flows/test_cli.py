@@ -53,7 +53,7 @@ def test_plan_writes_the_report(tmp_path):
 
 
 def test_help_texts_are_clean_and_overrides_optional():
-    for args in (["--help"], ["run", "--help"], ["config", "--help"], ["ui", "--help"]):
+    for args in (["--help"], ["run", "--help"], ["config", "--help"], ["ui", "--help"], ["workers", "--help"]):
         proc = subprocess.run(GRPOFLOW + args, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
         assert "`" not in proc.stdout, args

@@ -14,12 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY_CLI_ITERATIONS, assert_same_runs
+from tests.conftest import TINY_CLI_ITERATIONS, TINY_CLI_OVERRIDES, assert_same_runs
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.system]
 
 ITERATIONS = TINY_CLI_ITERATIONS  # the uninterrupted run is the session's tiny_cli_run
-OVERRIDES = [f"iterations={ITERATIONS}", "run_name=r", "--quiet"]
 GRPOFLOW = [sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml"]
 
 
@@ -37,7 +36,7 @@ def small_disk(tmp_path):
 
 
 def _run(runs_dir: Path, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([*GRPOFLOW, f"runs_dir={runs_dir}", *OVERRIDES], env=env, capture_output=True,
+    return subprocess.run([*GRPOFLOW, f"runs_dir={runs_dir}", *TINY_CLI_OVERRIDES], env=env, capture_output=True,
                           text=True, timeout=600)
 
 

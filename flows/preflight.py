@@ -16,6 +16,7 @@ NaN or infinite rewards are not refused here: the reward stage marks those sampl
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +27,14 @@ from flows.schema import ConfigError, GRPOConfig, config_to_dict
 
 __all__ = ["SAFE_TO_CHANGE", "PreflightError", "config_differences", "check_model_folder", "check_draft_folder",
            "check_devices", "check_eval_data", "check_run_config", "check_run_folder", "check_task_prompts",
-           "preflight"]
+           "preflight", "warn_pretrained_lr"]
 
 SAFE_TO_CHANGE = ("iterations", "run_name", "runs_dir", "cluster.", "mlflow.", "plan.", "eval.",
                   "train.keep_optimizer_state", "train.keep_versions", "train.keep_every")
 """Config keys (or key prefixes, ending in '.') a resumed run may change: they decide how long and
 where the run goes and what it keeps on disk, not what it computes. docs/reliability.md lists them."""
+
+log = logging.getLogger(__name__)
 
 
 class PreflightError(ConfigError):
@@ -266,10 +269,26 @@ def preflight(cfg: GRPOConfig, folder) -> dict[str, Any] | None:
     if cfg.model.path:
         check_model_folder(cfg.model.path)
         check_task_prompts(cfg)
+        warn_pretrained_lr(cfg)
     if cfg.rollout.draft_path:
         check_draft_folder(cfg)
     check_eval_data(cfg)
     return check_run_folder(cfg, folder)
+
+
+PRETRAINED_LR_WARN = 1e-4
+"""A train.lr above this on a pretrained model (model.path) is warned about: full fine-tuning
+with AdamW at the built-in toy's 1e-3 moves such a model far in one step (SmolLM2-135M: KL to the
+reference 2.5 per token after one step; configs/smollm2-arithmetic.yaml trains at 2e-5)."""
+
+
+def warn_pretrained_lr(cfg: GRPOConfig) -> bool:
+    """Warn (and return True) when a pretrained model is set to train at more than PRETRAINED_LR_WARN."""
+    if not cfg.model.path or cfg.train.lr <= PRETRAINED_LR_WARN:
+        return False
+    log.warning("train.lr=%g: that is the built-in toy model's rate; a pretrained model (model.path) usually trains "
+                "at 1e-6 to 5e-5 with AdamW (configs/smollm2-arithmetic.yaml: 2e-5): set train.lr", cfg.train.lr)
+    return True
 
 
 def check_draft_folder(cfg: GRPOConfig) -> None:

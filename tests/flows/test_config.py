@@ -100,3 +100,22 @@ def test_missing_file_and_bad_override_form():
         load_config("configs/nope.yaml")
     with pytest.raises(ConfigError, match="key=value"):
         load_config("configs/tiny.yaml", [*SMALL, "iterations"])
+
+
+def test_a_pretrained_model_at_the_toy_learning_rate_is_warned_about(caplog):
+    import logging
+
+    from flows.config import load_config
+    from flows.preflight import warn_pretrained_lr
+
+    from types import SimpleNamespace
+
+    def pretrained(lr: float):  # what the check reads of a config with model.path set
+        return SimpleNamespace(model=SimpleNamespace(path="models/smollm2-135m-instruct"), train=SimpleNamespace(lr=lr))
+
+    with caplog.at_level(logging.WARNING, logger="flows.preflight"):
+        assert not warn_pretrained_lr(load_config("configs/tiny.yaml", []))  # the toy at its own rate
+        assert not warn_pretrained_lr(pretrained(2e-5))  # configs/smollm2-arithmetic.yaml's
+        assert caplog.records == []
+        assert warn_pretrained_lr(pretrained(1e-3))
+    assert "train.lr=0.001" in caplog.records[0].getMessage() and "model.path" in caplog.records[0].getMessage()

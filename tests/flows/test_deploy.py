@@ -36,7 +36,7 @@ def test_worker_resources_follow_the_layout():
 
 
 def test_shell_and_slurm_scripts_start_every_worker():
-    cfg = load_config("configs/smollm2-arithmetic.yaml", [])
+    cfg = load_config("configs/tiny.yaml", ["eval.path=data/arithmetic_test.jsonl"])
     workers = worker_resources(cfg)
     for script in (shell_script(cfg, "tls://head:8786", TLS), slurm_script(cfg, "tls://head:8786", TLS, partition="cpu")):
         assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
@@ -50,7 +50,7 @@ def test_shell_and_slurm_scripts_start_every_worker():
 
 
 def test_kubernetes_manifests_hold_the_workers_by_resources():
-    cfg = load_config("configs/smollm2-arithmetic.yaml", [])
+    cfg = load_config("configs/tiny.yaml", ["eval.path=data/arithmetic_test.jsonl"])
     docs = list(yaml.safe_load_all(kubernetes_manifests(cfg, "registry.example/grpoflow:1")))
     assert [d["kind"] for d in docs] == ["DaskCluster"] + ["DaskWorkerGroup"] * (len(docs) - 1)
     name = docs[0]["metadata"]["name"]

@@ -34,6 +34,7 @@ from typing import Callable
 
 import numpy as np
 import psutil
+import torch
 from distributed import wait
 from tqdm.auto import tqdm
 
@@ -233,6 +234,7 @@ def _run(cfg: GRPOConfig, progress: bool) -> RunSummary:
                  folder.root)
         return _finished_summary(cfg, folder, uri)
     machine_rate = _machine_rate(cfg, folder) if cfg.train.device == "cpu" else None
+    _warn_slow_bfloat16(cfg, folder)
     client, cluster = start_cluster(cfg)
     lineage = None
     try:
@@ -314,6 +316,42 @@ def _machine_rate(cfg: GRPOConfig, folder: RunFolder) -> float:
     before the workers start."""
     return matmul_rate(Path(folder.cache_root) / HOST_RATES_FILE, cfg.train.dtype, "cpu", host_cores(),
                        refresh_seconds=0.3)
+
+
+BF16_SLOW_RATIO = 1.0
+"""bfloat16 on the CPU is warned about when its measured matmul rate is below float32's times this."""
+
+
+def bfloat16_on_cpu(cfg: GRPOConfig) -> list[str]:
+    """The keys that put bfloat16 matmuls on this host's CPU: train.dtype (ranks on the CPU) and
+    rollout.dtype (engines on the CPU: device cpu, or auto where torch sees no GPU)."""
+    keys = []
+    if cfg.train.dtype == "bfloat16" and cfg.train.device == "cpu":
+        keys.append("train.dtype")
+    engines_on_cpu = cfg.rollout.device == "cpu" or (cfg.rollout.device == "auto" and not torch.cuda.is_available())
+    if cfg.rollout.dtype == "bfloat16" and engines_on_cpu:
+        keys.append("rollout.dtype")
+    return keys
+
+
+def slow_bfloat16_message(keys: list[str], bf16_rate: float, fp32_rate: float) -> str | None:
+    """The one-line warning for bfloat16 keys on a CPU whose bfloat16 matmul is slower than its
+    float32 one (no AVX-512 BF16 or AMX: the kernels convert), or None."""
+    if not keys or bf16_rate >= fp32_rate * BF16_SLOW_RATIO:
+        return None
+    return (f"{' and '.join(f'{k}=bfloat16' for k in keys)} on this CPU: its bfloat16 matmul measured "
+            f"{bf16_rate / 1e9:.3g} GFLOP/s against float32's {fp32_rate / 1e9:.3g} ({fp32_rate / bf16_rate:.3g}x "
+            f"slower; the CPU lacks native bfloat16), so float32 is faster here")
+
+
+def _warn_slow_bfloat16(cfg: GRPOConfig, folder: RunFolder) -> None:
+    keys = bfloat16_on_cpu(cfg)
+    if keys:
+        rates = [matmul_rate(Path(folder.cache_root) / HOST_RATES_FILE, dtype, "cpu", host_cores())
+                 for dtype in ("bfloat16", "float32")]  # cached per host: measured once, about a second each
+        message = slow_bfloat16_message(keys, *rates)
+        if message:
+            log.warning(message)
 
 
 def _model_flops_metrics(cfg: GRPOConfig, shape, store, result: IterationResult, rate: float) -> dict[str, float]:

@@ -207,7 +207,9 @@ class RolloutConfig:
     float32 on the CPU). Sampling runs in float32 either way, but in bfloat16 the behaviour
     log-probs are the bfloat16 model's: the on-policy loss anchors its clip at them, so its ratio at
     the step's start is the two precisions' difference, not 1; decoupled PPO (train.off_policy)
-    anchors it at the trainer's own log-probs instead and weights tokens by that difference."""
+    anchors it at the trainer's own log-probs instead and weights tokens by that difference. auto
+    stays float32 on every CPU: bfloat16 paid 1.4-1.7x on a CPU with AVX-512 BF16 and cost 3.7x on
+    one without (the run warns there, docs/performance.md)."""
     stop: list[str] = field(default_factory=list)
     """Stop strings: a completion ends at its first token whose text completes one of them (that
     token kept, as the model's EOS is, finish reason stop), e.g. ["</answer>"]; its EOS ids stop it
@@ -430,7 +432,9 @@ class TrainConfig:
     cpu (stages/train/engine.py ``train_placement``)."""
     dtype: str = "float32"
     """float32, or bfloat16: every forward of the policy and the reference runs under torch.autocast
-    (weights, gradients and AdamW's state stay float32)."""
+    (weights, gradients and AdamW's state stay float32). On a CPU without native bfloat16 (no
+    AVX-512 BF16 or AMX) bfloat16 matmuls are far slower than float32 ones (140x on a 2-core AMD
+    EPYC VM): the run warns with the host's measured rates (docs/performance.md)."""
     overlong: str = "keep"
     """Completions cut at rollout.max_new_tokens (finish reason "length"): keep trains them like
     finished ones; mask leaves them out of the loss (DAPO's overlong filtering) while they still

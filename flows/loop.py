@@ -318,10 +318,6 @@ def _machine_rate(cfg: GRPOConfig, folder: RunFolder) -> float:
                        refresh_seconds=0.3)
 
 
-BF16_SLOW_RATIO = 1.0
-"""bfloat16 on the CPU is warned about when its measured matmul rate is below float32's times this."""
-
-
 def bfloat16_on_cpu(cfg: GRPOConfig) -> list[str]:
     """The keys that put bfloat16 matmuls on this host's CPU: train.dtype (ranks on the CPU) and
     rollout.dtype (engines on the CPU: device cpu, or auto where torch sees no GPU)."""
@@ -337,7 +333,7 @@ def bfloat16_on_cpu(cfg: GRPOConfig) -> list[str]:
 def slow_bfloat16_message(keys: list[str], bf16_rate: float, fp32_rate: float) -> str | None:
     """The one-line warning for bfloat16 keys on a CPU whose bfloat16 matmul is slower than its
     float32 one (no AVX-512 BF16 or AMX: the kernels convert), or None."""
-    if not keys or bf16_rate >= fp32_rate * BF16_SLOW_RATIO:
+    if not keys or bf16_rate >= fp32_rate:
         return None
     return (f"{' and '.join(f'{k}=bfloat16' for k in keys)} on this CPU: its bfloat16 matmul measured "
             f"{bf16_rate / 1e9:.3g} GFLOP/s against float32's {fp32_rate / 1e9:.3g} ({fp32_rate / bf16_rate:.3g}x "

@@ -84,6 +84,19 @@ def _one_torch_thread():
     yield
 
 
+def pids_where(field: str, value: int) -> set[int]:
+    """Pids of the processes whose /proc/<pid>/stat ``field`` ("ppid" or "pgrp") is ``value``."""
+    index = {"ppid": 1, "pgrp": 2}[field]  # counted after the ")" that ends the command name
+    pids = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[index]) == value:
+                pids.add(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+    return pids
+
+
 TINY_CLI_ITERATIONS = 3
 # One rollout engine on a worker of its own: the layout tests/flows/test_hosts.py spreads over hosts.
 TINY_CLI_OVERRIDES = [f"iterations={TINY_CLI_ITERATIONS}", "run_name=r", "cluster.placement=decoupled",

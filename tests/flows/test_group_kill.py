@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import pids_where
+
 pytestmark = pytest.mark.slow
 
 DRIVER = ("import sys\nfrom flows.config import load_config\nfrom flows.loop import run\n"
@@ -31,17 +33,6 @@ def _semaphores_of(pids: set[int]) -> set[str]:
     return found
 
 
-def _group(pgid: int) -> set[int]:
-    pids = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) == pgid:
-                pids.add(int(stat.parent.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    return pids
-
-
 @pytest.mark.skipif(sys.platform != "linux" or not Path("/dev/shm").is_dir(), reason="Linux /dev/shm semaphores")
 def test_a_group_kill_leaves_no_semaphore(tmp_path):
     env = {**os.environ, "GRPOFLOW_CACHE": str(tmp_path / "cache"), "PYTHONPATH": os.getcwd()}
@@ -53,7 +44,7 @@ def test_a_group_kill_leaves_no_semaphore(tmp_path):
         assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
         assert time.time() < deadline, "no step ran"
         time.sleep(0.1)
-    sems = _semaphores_of(_group(proc.pid))
+    sems = _semaphores_of(pids_where("pgrp", proc.pid))
     assert sems, "the run's processes map no semaphore: nothing to check"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()

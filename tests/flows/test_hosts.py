@@ -25,7 +25,7 @@ import pytest
 from flows.cluster import worker_resources
 from flows.config import load_config
 from flows.deploy import TLSFiles, worker_command
-from tests.conftest import TINY_CLI_ITERATIONS, TINY_CLI_OVERRIDES, assert_same_runs
+from tests.conftest import TINY_CLI_ITERATIONS, TINY_CLI_OVERRIDES, assert_same_runs, pids_where
 
 pytestmark = [pytest.mark.slow, pytest.mark.system]
 
@@ -105,20 +105,9 @@ def _on(host: str, command: list[str]) -> list[str]:
     return ["ip", "netns", "exec", f"{NET}-{host}", *command]
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(stat.parent.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
-
-
 def _worker_process(nanny: int) -> int | None:
     """The worker process a ``dask worker`` nanny runs (multiprocessing's spawn child)."""
-    for pid in _children(nanny):
+    for pid in pids_where("ppid", nanny):
         try:
             if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 return pid

@@ -144,7 +144,7 @@ def baseline_iterations(cfg: GRPOConfig, policy_path: str, device: str = "cpu") 
     source = open_prompt_source(cfg.dataset, codec, cfg.task.prompts_per_step)
     t, G = cfg.train, cfg.rollout.group_size
     loss_cfg = train_setup(t, model_cfg, cfg.num_microbatches, cfg.rollout.temperature).loss
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=t.weight_decay)
     pad, layout = model_cfg.pad_token_id or 0, cfg.microbatch_layout
     out = []
     for step in range(cfg.iterations):

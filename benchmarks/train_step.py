@@ -53,7 +53,7 @@ def _one_process(cfg, model_cfg, model, batch, reps: int, threads: int) -> list[
     policy = build_stage(model_cfg)
     load_hf_state(policy, hf_state(model))
     loss_cfg = train_setup(cfg.train, model_cfg, cfg.num_microbatches, cfg.rollout.temperature).loss
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr)
     out = []
     for _ in range(reps + 1):
         t0 = time.perf_counter()

@@ -119,11 +119,20 @@ def check_model_folder(path: str | Path) -> None:
                     raise _model_error(path, f"tensor {k} in {name} holds NaN or infinite values")
 
 
+def _lr_resolved(config: dict[str, Any], cfg: GRPOConfig) -> dict[str, Any]:
+    """``config`` with train.lr=auto as the rate it picks for ``cfg`` (their model.path is compared
+    on its own): a run stored with the number auto resolves to resumes under auto, and back."""
+    train = config.get("train")
+    if not isinstance(train, dict) or train.get("lr") != "auto":
+        return config
+    return {**config, "train": {**train, "lr": cfg.lr}}
+
+
 def _check_config(cfg: GRPOConfig, state: dict[str, Any], folder) -> None:
     stored = state.get("config")
     if not isinstance(stored, dict):
         raise PreflightError(f"{folder.run_state} holds no config; delete it or start with --new")
-    diff = config_differences(stored, config_to_dict(cfg))
+    diff = config_differences(_lr_resolved(stored, cfg), _lr_resolved(config_to_dict(cfg), cfg))
     t, before = cfg.train, stored.get("iterations")
     if before != cfg.iterations and t.lr_schedule != "constant" and t.lr_decay_steps is None and \
             isinstance(before, int):
@@ -283,11 +292,12 @@ reference 2.5 per token after one step; configs/smollm2-arithmetic.yaml trains a
 
 
 def warn_pretrained_lr(cfg: GRPOConfig) -> bool:
-    """Warn (and return True) when a pretrained model is set to train at more than PRETRAINED_LR_WARN."""
-    if not cfg.model.path or cfg.train.lr <= PRETRAINED_LR_WARN:
+    """Warn (and return True) when a pretrained model is set to train at more than PRETRAINED_LR_WARN
+    (train.lr=auto picks a pretrained rate of its own)."""
+    if not cfg.model.path or cfg.lr <= PRETRAINED_LR_WARN:
         return False
-    log.warning("train.lr=%g: that is the built-in toy model's rate; a pretrained model (model.path) usually trains "
-                "at 1e-6 to 5e-5 with AdamW (configs/smollm2-arithmetic.yaml: 2e-5): set train.lr", cfg.train.lr)
+    log.warning("train.lr=%g: that is a rate for the built-in toy model; a pretrained model (model.path) usually trains "
+                "at 1e-6 to 5e-5 with AdamW (train.lr=auto: 2e-5, the rate measured on SmolLM2-135M)", cfg.lr)
     return True
 
 

@@ -21,7 +21,7 @@ from stages.data import DatasetConfig, DatasetError
 from stages.eval import EvalConfig
 from stages.layout import ModelShape, balanced_layer_split, layer_split_error, parallel_layout_error, shape_from_hf
 from stages.tasks.addition import vocab_size as addition_vocab_size
-from stages.train.auto import auto_length_buckets, auto_logprob_chunk_tokens, auto_packing
+from stages.train.auto import auto_length_buckets, auto_logprob_chunk_tokens, auto_lr, auto_packing
 from stages.train.buckets import BucketedLayout, bucketed_layout, microbatches_per_pass
 from stages.train.plan import MicrobatchLayout, microbatch_layout
 from storage.model_folder import load_hf_config
@@ -342,6 +342,13 @@ class GRPOConfig:
         train.pack_row_tokens, else off."""
         t = self.train
         return auto_packing(self.length_buckets, t.pack_row_tokens) if t.packing == "auto" else bool(t.packing)
+
+    @property
+    def lr(self) -> float:
+        """train.lr resolved: auto is stages/train/auto.py ``auto_lr``, the pretrained rate with
+        model.path, else the built-in model's."""
+        lr = self.train.lr
+        return auto_lr(pretrained=bool(self.model.path)) if lr == "auto" else float(lr)
 
     @property
     def logprob_chunk_tokens(self) -> Optional[int]:

@@ -122,7 +122,7 @@ def init_train_rank(cfg: GRPOConfig, rank: int, init_method: str, policy: Policy
     model_cfg = DecoderConfig.from_hf(hf_config)
     setup = train_setup(cfg.train, model_cfg, cfg.num_microbatches, cfg.rollout.temperature, _faults_from_env(),
                         cfg.rollout.max_staleness, cfg.reference_parallel, cfg.logprob_chunk_tokens, cfg.layer_split,
-                        cfg.rollout.engine)
+                        cfg.rollout.engine, lr=cfg.lr)
     names = rank_tensor_names(model_cfg, setup.layout, setup.layout.coord(rank).pp, setup.layer_split)
     _, _, tensors = load_model_folder(policy.path, names=names)
     ref_tensors = None
@@ -382,7 +382,7 @@ def train_task(cfg: GRPOConfig, ref: StepRef, folder: RunFolder, new_version: in
                                cfg.microbatch_layout, reward_failed=a["reward_failed"],
                                group_size=cfg.rollout.group_size,
                                untrained=a["finish_reason"] == FINISH_LENGTH if cfg.train.overlong == "mask" else None)
-    engine.set_lr(lr_at(cfg.train, ref.step, cfg.iterations))  # of the step alone: a resume matches
+    engine.set_lr(lr_at(cfg.train, ref.step, cfg.iterations, cfg.lr))  # of the step alone: a resume matches
     fused = {}
     if with_reference:
         result, ref_logp = engine.train_step_with_reference(batch)

@@ -390,10 +390,11 @@ class TrainConfig:
     scored), else unset (the tiny vocabulary: full logits are cheaper there)."""
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv or dualpipev."""
-    lr: float = 1e-3
+    lr: Union[float, int, str] = "auto"
     """AdamW's peak learning rate; each step's rate follows lr_schedule (stages/train/schedule.py
     ``lr_at``, a function of the step alone, so a resumed run trains at the same rates) and is
-    logged as the metric ``lr``."""
+    logged as the metric ``lr``. auto: 1e-3 for the built-in model, 2e-5 for a pretrained model
+    (model.path), the rates measured on each (stages/train/auto.py)."""
     lr_schedule: str = "constant"
     """After the warm-up: constant (lr), linear (lr down to the floor in a line) or cosine (lr down
     to the floor along half a cosine), decaying over lr_decay_steps and staying at the floor after."""
@@ -504,7 +505,13 @@ class TrainConfig:
                                             * self.virtual_pipeline_model_parallel_size)
             _require(split_error is None, split_error or "")
         _in_range("train.timeout_s", self.timeout_s, low_ok=False)
-        _in_range("train.lr", self.lr, low_ok=False)
+        if self.lr != "auto":  # "1e-5" on a command line is a string to YAML, "1" an int
+            try:
+                object.__setattr__(self, "lr", float(self.lr))  # frozen: normalised once, here
+            except (TypeError, ValueError):
+                raise ConfigError(f"train.lr={self.lr!r} must be auto or a number > 0") from None
+        if self.lr != "auto":
+            _in_range("train.lr", self.lr, low_ok=False)
         _one_of("train.lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _require(self.lr_warmup_steps >= 0,
                  f"train.lr_warmup_steps={self.lr_warmup_steps} must be >= 0 (0: no warm-up)")

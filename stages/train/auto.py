@@ -1,5 +1,5 @@
-"""What ``auto`` picks for the training layout: train.length_buckets, train.packing and
-train.logprob_chunk_tokens, as pure functions of a run's shapes.
+"""What ``auto`` picks for training: train.length_buckets, train.packing,
+train.logprob_chunk_tokens and train.lr, as pure functions of a run's shapes and model.
 
 Each rule follows a measurement in docs/performance.md ("Defaults and what auto picks"):
 
@@ -14,6 +14,12 @@ Each rule follows a measurement in docs/performance.md ("Defaults and what auto 
   [tokens x vocab] logits never exist. At V >= 8,192 the chunked loss took 0.3-0.9x the full one's
   time with up to 3/4 of the positions scored; at the tiny vocabulary (15) it is 1.2-1.5x slower,
   by under a millisecond.
+- The learning rate depends on where the weights come from. The built-in model, warmed up from
+  random weights, trains at 1e-3 (the rate every tiny-config measurement used). A pretrained model
+  (model.path) at that rate moved SmolLM2-135M to a KL of 2.5 per token in one step; at 2e-5 it went
+  from 11.7% to 62.5% held-out accuracy in 8 steps (docs/evaluation.md), the one real-model rate
+  measured here (that run's accuracy fell after 16 steps: a long run wants a decaying
+  train.lr_schedule or a lower rate).
 
 No torch: flows/schema.py resolves these when it builds the layout.
 """
@@ -24,12 +30,14 @@ from typing import Optional, Sequence
 
 from stages.train.buckets import power_of_two_widths
 
-__all__ = ["MIN_BUCKET_WIDTH", "CHUNKED_LOGPROB_MIN_VOCAB", "LOGPROB_CHUNK_TOKENS", "auto_length_buckets",
-           "auto_packing", "auto_logprob_chunk_tokens"]
+__all__ = ["MIN_BUCKET_WIDTH", "CHUNKED_LOGPROB_MIN_VOCAB", "LOGPROB_CHUNK_TOKENS", "BUILTIN_MODEL_LR",
+           "PRETRAINED_LR", "auto_length_buckets", "auto_packing", "auto_logprob_chunk_tokens", "auto_lr"]
 
 MIN_BUCKET_WIDTH = 16  # narrowest auto bucket: the bench's tuned [16, 32, 71]; 8 holds a 7-token prompt + 1
 CHUNKED_LOGPROB_MIN_VOCAB = 8192  # chunking won at every scored share up to 3/4 from here (module docstring)
 LOGPROB_CHUNK_TOKENS = 256  # 0.36x the full path's peak at 4,096 tokens against 0.73x for 1,024, same time
+BUILTIN_MODEL_LR = 1e-3  # the built-in model, trained from its warm-up
+PRETRAINED_LR = 2e-5  # a model.path folder: SmolLM2-135M's measured rate (module docstring)
 
 
 def auto_length_buckets(prompt_width: int, max_new_tokens: int,
@@ -57,3 +65,8 @@ def auto_logprob_chunk_tokens(vocab_size: int) -> Optional[int]:
     """train.logprob_chunk_tokens=auto: :data:`LOGPROB_CHUNK_TOKENS` at a vocabulary of at least
     :data:`CHUNKED_LOGPROB_MIN_VOCAB` tokens, else None (full logits)."""
     return LOGPROB_CHUNK_TOKENS if vocab_size >= CHUNKED_LOGPROB_MIN_VOCAB else None
+
+
+def auto_lr(pretrained: bool) -> float:
+    """train.lr=auto: :data:`PRETRAINED_LR` for a model.path folder, else :data:`BUILTIN_MODEL_LR`."""
+    return PRETRAINED_LR if pretrained else BUILTIN_MODEL_LR

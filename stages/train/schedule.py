@@ -18,8 +18,9 @@ __all__ = ["LR_SCHEDULES", "lr_at"]
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
 
-def lr_at(train: TrainConfig, step: int, iterations: int) -> float:
-    """The rate of 0-based step ``step`` of a run of ``iterations`` steps.
+def lr_at(train: TrainConfig, step: int, iterations: int, lr: float | None = None) -> float:
+    """The rate of 0-based step ``step`` of a run of ``iterations`` steps, peak ``lr`` (train.lr
+    resolved, GRPOConfig.lr; default train.lr, which must then be a number).
 
     With W = lr_warmup_steps, D = lr_decay_steps (unset: max(iterations - W, 1)) and the floor
     f = lr x lr_min_ratio:
@@ -31,7 +32,9 @@ def lr_at(train: TrainConfig, step: int, iterations: int) -> float:
     t = 1 from step W + D on: the rate stays at the floor. With D unset the run's last step is
     W + D - 1, so it still trains above the floor.
     """
-    lr, warmup = train.lr, train.lr_warmup_steps
+    lr, warmup = train.lr if lr is None else lr, train.lr_warmup_steps
+    if not isinstance(lr, (int, float)):
+        raise ValueError(f"train.lr={lr!r} is unresolved: pass the resolved rate (GRPOConfig.lr)")
     # 1) linear warm-up
     if step < warmup:
         return lr * (step + 1) / (warmup + 1)

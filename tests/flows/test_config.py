@@ -111,7 +111,7 @@ def test_a_pretrained_model_at_the_toy_learning_rate_is_warned_about(caplog):
     from types import SimpleNamespace
 
     def pretrained(lr: float):  # what the check reads of a config with model.path set
-        return SimpleNamespace(model=SimpleNamespace(path="models/smollm2-135m-instruct"), train=SimpleNamespace(lr=lr))
+        return SimpleNamespace(model=SimpleNamespace(path="models/smollm2-135m-instruct"), lr=lr)
 
     with caplog.at_level(logging.WARNING, logger="flows.preflight"):
         assert not warn_pretrained_lr(load_config("configs/tiny.yaml", []))  # the toy at its own rate

@@ -69,3 +69,46 @@ def test_seed_70b_config_loads_with_auto_buckets():
 def test_smollm2_config_loads_with_its_chunk_size_and_auto_buckets():
     cfg = load_config("configs/smollm2-arithmetic.yaml")  # S = 96 + 48, vocabulary 49,152
     assert (cfg.length_buckets, cfg.packing, cfg.logprob_chunk_tokens) == ((16, 32, 64, 144), True, 256)
+
+
+def _pretrained_folder(tmp_path: Path) -> Path:
+    """An HF folder holding only the config.json the run config reads (SmolLM2-135M's sizes)."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": True, "bos_token_id": 1,
+        "eos_token_id": 2, "pad_token_id": 2}))
+    return tmp_path
+
+
+def test_lr_auto_is_the_built_in_rate_or_the_pretrained_one(tmp_path):
+    from stages.train.auto import BUILTIN_MODEL_LR, PRETRAINED_LR
+
+    assert (BUILTIN_MODEL_LR, PRETRAINED_LR) == (1e-3, 2e-5)
+    assert load_config("configs/tiny.yaml").lr == 7e-4  # the config's own number
+    assert load_config("configs/tiny.yaml", ["train.lr=auto"]).lr == 1e-3
+    pretrained = load_config("configs/tiny.yaml", ["train.lr=auto", f"model.path={_pretrained_folder(tmp_path)}"])
+    assert pretrained.train.lr == "auto" and pretrained.lr == 2e-5
+    assert load_config("configs/tiny.yaml", ["train.lr=1e-5"]).lr == 1e-5  # a string to YAML, a number here
+
+
+@pytest.mark.parametrize("value", ["fast", "-1", "0", "inf"])
+def test_lr_neither_auto_nor_a_positive_number_is_refused_in_one_line(value):
+    from stages.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^train\.lr=") as caught:
+        load_config("configs/tiny.yaml", [f"train.lr={value}"])
+    assert "\n" not in str(caught.value)
+
+
+def test_a_run_stored_with_the_rate_auto_picks_resumes_under_auto():
+    from flows.preflight import _lr_resolved, config_differences
+    from flows.schema import config_to_dict
+
+    auto = load_config("configs/tiny.yaml", ["train.lr=auto"])
+    stored = config_to_dict(load_config("configs/tiny.yaml", ["train.lr=0.001"]))
+    assert config_differences(_lr_resolved(stored, auto), _lr_resolved(config_to_dict(auto), auto)) == []
+    other = config_to_dict(load_config("configs/tiny.yaml", ["train.lr=0.002"]))
+    assert config_differences(_lr_resolved(other, auto), _lr_resolved(config_to_dict(auto), auto)) == ["train.lr"]

@@ -260,7 +260,7 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     restarts = _Restarts()
-    logging.getLogger("flows.loop").addHandler(restarts)
+    logging.getLogger("flows.run_loop").addHandler(restarts)
     runs_dir = args.runs_dir or tempfile.mkdtemp(prefix="grpoflow-faults-")
     cfg = base_config(runs_dir, args.iterations)
     client, cluster = start_cluster(cfg)

@@ -3,7 +3,7 @@
 Versions: policy v0 is the base; step k trains the trainer's version k into k + 1 (published by
 step k's publish). With ``rollout.max_staleness`` s, step k generates from version
 ``max(0, k - s)``: the rule, never a race. Step k's rollout starts once step k - s - 1 has published
-that version: the loop (flows/loop.py) submits step k's graph while step k - s - 1 is still in
+that version: the loop (flows/run_loop.py) submits step k's graph while step k - s - 1 is still in
 flight (once step k - s - 2 has finished), its rollout waiting on that step's publish task, so at
 most s + 2 steps are in flight; steps finish in order. Training-rank tasks of different steps are chained
 (reference(k) and proximal(k) after train(k-1), train(k) after both), so every rank runs its

@@ -29,7 +29,7 @@ elsewhere when their worker dies; rollout tasks ask only for the ``rollout`` res
 restarted engine takes them (it loads the policy on first use). Training and reference tasks are
 pinned to the address each rank was built on: while the step runs, the iteration checks every
 ``_POLL_S`` that those workers are still there and ends with a :class:`WorkerLostError` as soon as
-one is not; flows/loop.py then rebuilds the ranks and reruns the step.
+one is not; flows/run_loop.py then rebuilds the ranks and reruns the step.
 """
 
 from __future__ import annotations

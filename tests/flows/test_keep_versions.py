@@ -11,7 +11,8 @@ import pytest
 from safetensors import safe_open
 
 from flows.config import load_config
-from flows.loop import keeps_version, remaining_steps, run, run_folder
+from flows.loop import remaining_steps, run, run_folder
+from flows.run_loop import keeps_version
 from flows.schema import ConfigError
 from storage.policies import PolicyStoreError
 

@@ -20,7 +20,8 @@ from flows import tasks
 from flows.cluster import check_pools, start_cluster
 from flows.config import load_config
 from flows.iteration import run_iteration
-from flows.loop import _init_ranks, run, run_folder
+from flows.loop import run, run_folder
+from flows.run_loop import init_ranks
 from stages.sync import state_digest
 from stages.train.schedule import lr_at
 from storage.policies import load_model_folder
@@ -48,7 +49,7 @@ def _step_by_step(client, cfg, pools) -> None:
     folder = run_folder(cfg).create()
     policy = client.submit(tasks.make_base_policy, cfg, folder, workers=[pools.train_addresses[0]],
                            pure=False).result()
-    _init_ranks(client, cfg, pools, policy)
+    init_ranks(client, cfg, pools, policy)
     try:
         for step in range(cfg.iterations):
             policy = run_iteration(client, cfg, pools, folder, step, policy,

@@ -61,14 +61,14 @@ def cluster_run(tmp_path_factory):
     client, cluster = start_cluster(cfg)
     cfg = replace(cfg, cluster=replace(cfg.cluster, scheduler_address=cluster.scheduler_address))
     restarts = _Restarts()
-    logging.getLogger("flows.loop").addHandler(restarts)
+    logging.getLogger("flows.run_loop").addHandler(restarts)
     try:
         reference = replace(cfg, run_name="fault-free")
         run(reference, progress=False)
         assert check_groups(reference) == (0, 0, 0)
         yield client, cfg, final_sha(reference), restarts
     finally:
-        logging.getLogger("flows.loop").removeHandler(restarts)
+        logging.getLogger("flows.run_loop").removeHandler(restarts)
         client.close()
         cluster.close()
 

@@ -39,7 +39,7 @@ from flows.cluster import start_cluster, worker_addresses
 from flows.config import load_config
 from flows.iteration import STAGES, inside_stages, stage_inputs, step_stages
 from flows.loop import run, run_folder
-from flows.schema import GRPOConfig
+from flows.config import GRPOConfig
 from stages.rollout.rows import first_group_id
 
 _POLL_S = 0.005  # the killer's look at the store; tiny stages last ~0.05-2 s

@@ -58,7 +58,7 @@ import torch
 
 from flows.config import load_config
 from flows.loop import run, run_folder
-from flows.schema import GRPOConfig
+from flows.config import GRPOConfig
 from flows.worker import phase_threads
 from stages.advantage import normalize_advantages
 from stages.perf import step_model_flops

@@ -38,7 +38,7 @@ from planner.simulator import simulate_schedule
 from stages.policy import DecoderConfig, build_stage, hf_state
 from stages.train.batch import build_global_batch
 from stages.train.engine import StepResult, TrainSetup
-from stages.train.layout import SCHEDULES
+from stages.layout import SCHEDULES
 from stages.train.local import run_local_pipeline
 from stages.train.loss import LossConfig
 

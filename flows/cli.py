@@ -58,7 +58,7 @@ def _tracking_store(target: str, overrides: list[str]) -> tuple[str, str | None]
     """(tracking URI, experiment name or None) of a run folder or of a config (+ overrides)."""
     from flows.config import load_config
     from flows.loop import tracking_uri
-    from flows.schema import ConfigError
+    from flows.config import ConfigError
     from storage.lineage import relocate_artifacts
     from storage.run_folder import RunFolder
 
@@ -114,7 +114,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from flows.evaluate import evaluate_version, format_eval, policy_folder
     from flows.worker import state as worker_state
     from flows.loop import run_folder
-    from flows.schema import ConfigError
+    from flows.config import ConfigError
     from storage.run_folder import RunFolder
 
     target = Path(args.target).resolve()
@@ -175,7 +175,7 @@ def _disk_full(exc: BaseException) -> str | None:
 def _cmd_workers(args: argparse.Namespace) -> int:
     from flows.config import load_config
     from flows.deploy import TLSFiles, kubernetes_manifests, shell_script, slurm_script
-    from flows.schema import ConfigError
+    from flows.config import ConfigError
 
     cfg = load_config(args.config, args.overrides)
     tls_given = [args.tls_ca_file, args.tls_cert, args.tls_key]
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides += extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    from flows.schema import ConfigError
+    from flows.config import ConfigError
     from storage.run_folder import RunFolderError
 
     try:

@@ -27,7 +27,7 @@ import dask
 from distributed import Client, Nanny, Scheduler, SpecCluster
 from distributed.deploy.cluster import Cluster
 
-from flows.schema import ClusterConfig, GRPOConfig
+from flows.config import ClusterConfig, GRPOConfig
 
 __all__ = ["ClusterError", "Pools", "start_cluster", "check_pools", "dashboard_link", "worker_addresses",
            "run_on_workers", "lost_workers", "restart_train_workers", "worker_resources"]
@@ -44,7 +44,7 @@ class Pools:
     """The run's worker pools by name, and where each worker was when they were resolved."""
 
     train: tuple[str, ...]
-    """Worker names, index = global training rank (stages/train/layout.py)."""
+    """Worker names, index = global training rank (stages/layout/mesh.py)."""
     rollout: tuple[str, ...]
     """Worker names of the generation engines."""
     plain: tuple[str, ...] = ()

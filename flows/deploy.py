@@ -20,7 +20,7 @@ from typing import Optional
 import yaml
 
 from flows.cluster import worker_resources
-from flows.schema import GRPOConfig
+from flows.config import GRPOConfig
 
 __all__ = ["FORMATS", "TLSFiles", "worker_command", "shell_script", "slurm_script", "kubernetes_manifests"]
 

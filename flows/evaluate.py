@@ -20,7 +20,7 @@ import numpy as np
 from distributed import Client, Future, get_worker
 
 from flows.cluster import Pools
-from flows.schema import GRPOConfig, config_hash
+from flows.config import GRPOConfig, config_hash
 from stages.data import DatasetConfig
 from stages.data.readers import read_records
 from stages.data.source import FilePromptSource, PromptRecord

@@ -43,7 +43,7 @@ from distributed import Client, Future, wait
 
 from flows import tasks, weight_sync
 from flows.cluster import Pools, lost_workers, worker_addresses
-from flows.schema import GRPOConfig, config_hash
+from flows.config import GRPOConfig, config_hash
 from stages.config import effective_off_policy
 from stages.reward import merge_function_stats
 from storage.policies import PolicyRef

@@ -42,11 +42,11 @@ from flows.background import BackgroundQueue
 from flows.cluster import ClusterError, Pools, lost_workers, restart_train_workers
 from flows.iteration import (STAGES, IterationError, IterationResult, PendingIteration, PendingPolicy, Policy,
                              WorkerLostError, finish_iteration, prepare_step, submit_iteration)
-from flows.schema import GRPOConfig
+from flows.config import GRPOConfig
 from stages.advantage import trained_samples
 from stages.perf import step_mfu_metrics, step_model_flops
 from stages.policy.tokenizer import TextCodec
-from stages.train.rendezvous import free_port
+from stages.tcp_store import free_port
 from storage.lineage import Lineage, StepRun
 from storage.plots import save_run_plots
 from storage.policies import PolicyRef

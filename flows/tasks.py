@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from flows import weight_sync
-from flows.schema import GRPOConfig, config_hash
+from flows.config import GRPOConfig, config_hash
 from flows.worker import data_stamp, phase_threads, set_threads, state, worker_name
 from stages.advantage import normalize_advantages
 from stages.data import PromptRecord

@@ -31,14 +31,14 @@ import time
 from distributed import Client, wait
 
 from flows.cluster import ClusterError, Pools, worker_addresses
-from flows.schema import GRPOConfig
+from flows.config import GRPOConfig
 from flows.worker import set_threads
 from flows.worker import state as worker_state
 from stages.policy import DecoderConfig, build_stage, hf_state
 from stages.sync import SignatureMismatchError, WeightReceiver, WeightSender, WeightSyncConfig, WeightSyncError
 from stages.sync.plan import tensor_specs
 from stages.sync.stream import VersionStream
-from stages.train.rendezvous import free_port
+from stages.tcp_store import free_port
 from storage.model_folder import load_hf_config
 from storage.policies import PolicyRef
 

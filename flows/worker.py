@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 from distributed import get_worker
 
-from flows.schema import GRPOConfig, config_hash
+from flows.config import GRPOConfig, config_hash
 from stages.data import PromptRecord, PromptSource, dataset_stamp, open_prompt_source
 from stages.policy.tokenizer import TextCodec, codec_files_digest, codec_files_stamp
 from stages.rollout.contract import PolicyWeights, RolloutEngine

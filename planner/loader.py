@@ -1,4 +1,4 @@
-"""Read a run config (the runtime's schema, flows/schema.py) and its ``plan:`` section into a PlanConfig.
+"""Read a run config (the runtime's schema, flows/config.py) and its ``plan:`` section into a PlanConfig.
 
 The run's own validation runs first, so a config the run rejects is rejected here with the same
 message; then the planner's sections are built from what the run would do:
@@ -31,7 +31,7 @@ from planner.config import (
     WorkloadConfig,
 )
 from planner.model import ModelShape, model_from_hf_config
-from flows.schema import ConfigError, GRPOConfig, resolve_reference_parallel
+from flows.config import ConfigError, GRPOConfig, resolve_reference_parallel
 from storage.model_folder import ModelFolderError
 
 __all__ = ["plan_config_from_run", "plan_config_from_dict", "load_plan_config"]

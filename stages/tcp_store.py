@@ -16,7 +16,16 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
-__all__ = ["parse_init_method", "tcp_store"]
+__all__ = ["free_port", "parse_init_method", "tcp_store"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now, for a store's ``init_method``. Run it on the host that will
+    listen (rank 0's worker); another process may take the port before the store binds it, a window
+    of milliseconds."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def parse_init_method(init_method: str) -> tuple[str, int]:

@@ -262,16 +262,6 @@ class Lineage:
         self._log(handle.run_id, params=self.params)
         return handle
 
-    def log_iteration(self, step: int, metrics: dict[str, float], rollout_url: str, rollout_digest: str,
-                      policy_path: str, policy_sha256: str, policy_version: int) -> str:
-        """A finished child run for an iteration that has already run; returns its run id. Its
-        duration is the logging time only: prefer :meth:`start_step` around the step."""
-        with self.start_step(step, policy_version - 1) as handle:
-            handle.log_metrics(metrics)
-            handle.log_policy(policy_version, policy_path, policy_sha256)
-            handle.log_rollouts(rollout_url, rollout_digest)
-        return handle.run_id
-
     def log_artifact(self, run_id: str, path: str, artifact_path: str | None = None) -> None:
         self.client.log_artifact(run_id, path, artifact_path)
 

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import math
 import numbers
-from pathlib import Path
 from typing import Any
 
 __all__ = ["to_strict_json"]

@@ -97,6 +97,15 @@ def pids_where(field: str, value: int) -> set[int]:
     return pids
 
 
+def log_finished_step(lineage, step: int, metrics: dict[str, float], version_out: int) -> str:
+    """A finished MLflow child run of ``step`` with ``metrics``, as a run's step logs it
+    (storage/lineage.py ``start_step``, from version_out - 1 to version_out); returns its run id."""
+    with lineage.start_step(step, version_out - 1) as child:
+        child.log_metrics(metrics)
+        child.log_policy(version_out, f"policy/v{version_out}", "0" * 64)
+    return child.run_id
+
+
 TINY_CLI_ITERATIONS = 3
 # One rollout engine on a worker of its own: the layout tests/flows/test_hosts.py spreads over hosts.
 TINY_CLI_OVERRIDES = [f"iterations={TINY_CLI_ITERATIONS}", "run_name=r", "cluster.placement=decoupled",

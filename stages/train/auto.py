@@ -21,7 +21,7 @@ Each rule follows a measurement in docs/performance.md ("Defaults and what auto 
   measured here (that run's accuracy fell after 16 steps: a long run wants a decaying
   train.lr_schedule or a lower rate).
 
-No torch: flows/schema.py resolves these when it builds the layout.
+No torch: flows/config.py resolves these when it builds the layout.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from stages.train.layout import schedule_error
+from stages.layout import schedule_error
 from stages.train.plan import MicrobatchLayout, _Cursor
 
 __all__ = ["BucketedLayout", "BucketedPlan", "bucketed_layout", "plan_passes", "microbatches_per_pass",

@@ -50,9 +50,9 @@ from stages.policy import DecoderConfig, build_stage, hf_named_parameters, load_
 from stages.train.batch import BucketedBatch
 from stages.train.faults import (InjectedFault, InputMismatchError, NonFiniteGradientError, StepGuard,
                                  TrainInputError, TrainStepError, passes_signature)
-from stages.train.layout import ParallelLayout, schedule_error
+from stages.layout import ParallelLayout, schedule_error
 from stages.train.loss import LossConfig, LossStats, grpo_microbatch_loss, make_chunked_loss
-from stages.train.mesh import init_rank_groups
+from stages.train.groups import init_rank_groups
 from stages.train.parallel import (DEFAULT_BUCKET_BYTES, allreduce_grads, apply_tensor_parallel, clip_grad_norm,
                                    head_local_parameters, local_tensor, sum_tied_grads, unique_parameters)
 from stages.train.schedules import ForwardOnlySchedule, LogpStage, build_train_schedule

@@ -18,7 +18,7 @@ import torch
 
 from stages.train.batch import BucketedBatch
 from stages.train.engine import StepResult, TrainRank, TrainSetup
-from stages.train.rendezvous import free_port
+from stages.tcp_store import free_port
 
 __all__ = ["Call", "RankOutput", "run_local_pipeline"]
 

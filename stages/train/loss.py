@@ -61,7 +61,7 @@ import torch
 from torch import nn
 
 from stages.config import POLICY_RATIOS
-from stages.train.off_policy import IS_LEVELS, IS_MODES, OffPolicyConfig
+from stages.config import IS_LEVELS, IS_MODES, OffPolicyConfig
 
 __all__ = ["LossConfig", "OffPolicyConfig", "IS_LEVELS", "IS_MODES", "TARGET_FIELDS", "ImportanceWeights", "TokenTerms",
            "importance_weights", "grpo_token_terms", "grpo_logp_loss", "grpo_microbatch_loss", "LossStats",

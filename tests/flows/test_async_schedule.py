@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from flows.async_schedule import (StepDurations, behaviour_version, released_by, simulate, staleness,
                                   trainer_version)
 from flows.config import load_config
-from flows.schema import ConfigError
+from flows.config import ConfigError
 from stages.config import ASYNC_OFF_POLICY, effective_off_policy
-from stages.train.off_policy import OffPolicyConfig
+from stages.config import OffPolicyConfig
 
 
 def test_rule_by_hand():
@@ -92,7 +92,7 @@ def test_schema_stays_torch_free():
     import subprocess
     import sys
 
-    code = "import sys, flows.schema, flows.async_schedule; print('torch' in sys.modules)"
+    code = "import sys, flows.config, flows.async_schedule; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 

@@ -21,7 +21,7 @@ from flows.config import load_config
 from flows.iteration import step_layout
 from flows.loop import fresh_run, run, run_folder
 from flows.preflight import PreflightError, config_differences, preflight
-from flows.schema import ConfigError, config_hash, config_to_dict
+from flows.config import ConfigError, config_hash, config_to_dict
 from stages.policy import hf_state
 from stages.tasks.addition import make_tokenizer_json
 from storage.rollouts import ARRAYS

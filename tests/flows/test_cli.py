@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.train.rendezvous import free_port
+from stages.tcp_store import free_port
 
 GRPOFLOW = [sys.executable, "-m", "flows.cli"]
 

@@ -105,7 +105,7 @@ def test_lr_neither_auto_nor_a_positive_number_is_refused_in_one_line(value):
 
 def test_a_run_stored_with_the_rate_auto_picks_resumes_under_auto():
     from flows.preflight import _lr_resolved, config_differences
-    from flows.schema import config_to_dict
+    from flows.config import config_to_dict
 
     auto = load_config("configs/tiny.yaml", ["train.lr=auto"])
     stored = config_to_dict(load_config("configs/tiny.yaml", ["train.lr=0.001"]))

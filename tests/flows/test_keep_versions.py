@@ -13,7 +13,7 @@ from safetensors import safe_open
 from flows.config import load_config
 from flows.loop import remaining_steps, run, run_folder
 from flows.run_loop import keeps_version
-from flows.schema import ConfigError
+from flows.config import ConfigError
 from storage.policies import PolicyStoreError
 
 pytestmark = pytest.mark.slow

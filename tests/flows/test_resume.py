@@ -15,7 +15,7 @@ from stages.policy import hf_state
 from stages.train.batch import build_global_batch
 from stages.train.engine import TrainRank, TrainSetup
 from stages.train.loss import LossConfig
-from stages.train.rendezvous import free_port
+from stages.tcp_store import free_port
 from storage.policies import PolicyStore, PolicyStoreError, load_model_folder
 
 LOSS = LossConfig(clip_eps_low=0.2, clip_eps_high=0.28, kl_beta=0.5, temperature=1.0)

@@ -11,7 +11,7 @@ import pytest
 from flows.config import load_config
 from flows.iteration import IterationError, step_layout
 from flows.loop import _resume_point, _summarise, run_folder
-from flows.schema import config_hash
+from flows.config import config_hash
 
 DONE = ["rollout", "reward", "advantage", "reference", "train", "publish"]
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import make_decoder_config
-from flows.schema import GRPOConfig
+from flows.config import GRPOConfig
 from planner.loader import plan_config_from_run
 from planner.training import estimate_stage_layout
 from stages.config import ConfigError, ModelConfig, RolloutConfig, TaskConfig, TrainConfig

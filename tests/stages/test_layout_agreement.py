@@ -14,7 +14,7 @@ from planner.config import ClusterConfig, PlanConfig, PlanConfigError, RolloutCo
 from planner.memory import estimate_stage_parameters
 from planner.model import ModelShape
 from planner.training import estimate_stage_layout
-from flows.schema import GRPOConfig
+from flows.config import GRPOConfig
 from stages.data import DatasetConfig
 from stages.config import ConfigError, ModelConfig, RolloutConfig as RunRolloutConfig, TaskConfig
 from stages.config import TrainConfig as RunTrainConfig

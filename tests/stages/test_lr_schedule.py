@@ -81,7 +81,7 @@ def test_a_resume_that_would_change_a_decaying_schedule_is_refused(tmp_path):
 
     from flows.config import load_config
     from flows.preflight import PreflightError, _check_config
-    from flows.schema import config_to_dict
+    from flows.config import config_to_dict
 
     def cfg(*extra):
         return load_config("configs/tiny.yaml", [f"runs_dir={tmp_path}", *extra])

@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from stages.tcp_store import parse_init_method, tcp_store
-from stages.train.rendezvous import free_port
+from stages.tcp_store import free_port
 
 
 def _listening() -> set[tuple[str, int]]:

@@ -18,7 +18,7 @@ from stages.config import LOSS_AGGREGATIONS
 from stages.policy import hf_named_parameters, hf_state
 from stages.train.batch import build_global_batch
 from stages.train.engine import TrainSetup
-from stages.train.layout import SPLIT_BACKWARD
+from stages.layout import SPLIT_BACKWARD
 from stages.train.local import run_local_pipeline
 from stages.train.loss import LossConfig, grpo_microbatch_loss, token_logp
 from stages.train.plan import microbatch_layout

@@ -16,7 +16,7 @@ from stages.policy import build_stage, hf_state, load_hf_state
 from stages.sync import WeightReceiver, WeightSender, WeightSyncConfig, state_digest
 from stages.sync.plan import tensor_specs
 from stages.sync.stream import VersionStream
-from stages.train.rendezvous import free_port
+from stages.tcp_store import free_port
 
 TIMEOUT_S = 5.0
 

@@ -15,6 +15,7 @@ import yaml
 
 import mlflow
 
+from conftest import log_finished_step  # noqa: E402
 from flows.background import BackgroundQueue  # noqa: E402
 from storage.lineage import (EXPERIMENT_KIND_TAG, Lineage, experiment_page, git_commit, iteration_runs,  # noqa: E402
                              relocate_artifacts, ui_command)
@@ -127,8 +128,8 @@ def test_samples_table_and_plots(lineage, tmp_path):
     assert Path(got).read_bytes() == b"\x89PNG second"
 
 
-def test_log_iteration_still_makes_a_finished_child(lineage):
-    cid = lineage.log_iteration(5, {"reward_mean": 0.5}, "/r/rollouts.zarr/step_5", "d" * 16, "/p/v6", "e" * 64, 6)
+def test_a_step_run_ends_finished_with_its_versions(lineage):
+    cid = log_finished_step(lineage, 5, {"reward_mean": 0.5}, 6)
     run = lineage.client.get_run(cid)
     assert run.info.status == "FINISHED" and run.data.tags["policy.version_out"] == "6"
     assert run.data.tags["policy.version_in"] == "5"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import log_finished_step
 from storage.lineage import Lineage, iteration_runs
 from storage.run_folder import RunFolder, RunFolderError
 
@@ -23,12 +24,12 @@ def test_run_state_round_trip_and_errors(tmp_path):
 def test_a_resumed_lineage_continues_the_parent_run(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     first = Lineage(uri, "exp", "r", {"seed": 0}, artifact_location=str(tmp_path / "art"))
-    first.log_iteration(0, {"loss": 1.0}, "x.zarr/step_0", "d0", "p/v1", "s1", 1)
+    log_finished_step(first, 0, {"loss": 1.0}, 1)
     first.finish("FAILED")  # a crashed run
     again = Lineage(uri, "exp", "r", {"seed": 0}, run_id=first.run_id)
     assert again.run_id == first.run_id
     assert again.client.get_run(first.run_id).info.status == "RUNNING"
-    again.log_iteration(1, {"loss": 0.5}, "x.zarr/step_1", "d1", "p/v2", "s2", 2)
+    log_finished_step(again, 1, {"loss": 0.5}, 2)
     again.finish()
     runs = iteration_runs(uri, first.run_id)
     assert list(runs["tags.grpoflow.step"]) == ["0", "1"]

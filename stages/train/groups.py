@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from stages.tcp_store import tcp_store
-from stages.train.layout import MeshCoord, ParallelLayout
+from stages.layout import MeshCoord, ParallelLayout
 
 __all__ = ["RankGroups", "init_rank_groups"]
 

@@ -67,7 +67,8 @@ from stages.policy.tokenizer import TextCodec
 from stages.rollout.contract import RolloutEngine
 from stages.rollout.native import NativeEngine
 from stages.rollout.rows import generate_rows
-from stages.steps import reward_statistics, score_rows, train_setup
+from stages.reward.rows import reward_statistics, score_rows
+from stages.train.setup import train_setup
 from stages.data import open_prompt_source
 from stages.train.batch import BucketedBatch, build_global_batch
 from stages.train.loss import TARGET_FIELDS, grpo_chunked_loss, grpo_microbatch_loss, token_logp

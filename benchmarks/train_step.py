@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reference_parallel import _step  # noqa: E402
 
 from stages.policy import build_stage, hf_state, load_hf_state  # noqa: E402
-from stages.steps import train_setup  # noqa: E402
+from stages.train.setup import train_setup  # noqa: E402
 from stages.train.engine import TrainSetup  # noqa: E402
 from stages.layout import schedule_error  # noqa: E402
 from stages.train.local import run_local_pipeline  # noqa: E402

@@ -31,7 +31,7 @@ from stages.reward import score_samples
 from stages.rollout.contract import PolicyWeights, RolloutEngine
 from stages.rollout.engine import FINISH_LENGTH, RolloutBatch, SamplingParams
 from stages.rollout.rows import cut_at_stop_strings
-from stages.steps import decode_completions
+from stages.reward.rows import decode_completions
 from storage.policies import PolicyRef
 from storage.run_folder import RunFolder
 

@@ -25,7 +25,9 @@ from stages.rollout.engine import FINISH_LENGTH
 from stages.rollout.dynamic import fill_informative_groups
 from stages.rollout.rows import generate_rows
 from stages.reward import merge_function_stats
-from stages.steps import reward_statistics, score_rows, tiny_base_policy, tiny_max_positions, train_setup
+from stages.reward.rows import reward_statistics, score_rows
+from stages.tasks.tiny_policy import tiny_base_policy, tiny_max_positions
+from stages.train.setup import train_setup
 from stages.train.batch import build_global_batch
 from stages.train.engine import InjectedFault, TrainRank, rank_tensor_names
 from stages.train.schedule import lr_at

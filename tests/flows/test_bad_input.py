@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import shutil
 from pathlib import Path
@@ -20,7 +19,7 @@ from conftest import make_decoder_config, make_model
 from flows.config import load_config
 from flows.iteration import step_layout
 from flows.loop import fresh_run, run, run_folder
-from flows.preflight import PreflightError, config_differences, preflight
+from flows.preflight import config_differences, preflight
 from flows.config import ConfigError, config_hash, config_to_dict
 from stages.policy import hf_state
 from stages.tasks.addition import make_tokenizer_json

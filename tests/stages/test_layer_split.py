@@ -18,7 +18,7 @@ from stages.config import ConfigError, ModelConfig, RolloutConfig, TaskConfig, T
 from stages.data import DatasetConfig
 from stages.layout import ParallelLayout, balanced_layer_split, layer_ranges, layers_per_stage, stage_to_rank
 from stages.policy import build_stage, hf_state, stage_hf_names
-from stages.steps import train_setup
+from stages.train.setup import train_setup
 from stages.train.engine import TrainSetup, rank_tensor_names
 from storage.policies import PolicyStore, load_model_folder
 

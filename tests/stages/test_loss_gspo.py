@@ -16,7 +16,7 @@ from flows.config import load_config
 from test_loss import assert_chunked_equals_full
 from stages.config import ConfigError
 from stages.policy import DecoderConfig
-from stages.steps import train_setup
+from stages.train.setup import train_setup
 from stages.train.batch import aggregation_weights
 from stages.train.loss import (TARGET_FIELDS, LossConfig, OffPolicyConfig, grpo_chunked_loss, grpo_logp_loss,
                                grpo_microbatch_loss)

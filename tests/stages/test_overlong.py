@@ -12,7 +12,7 @@ from stages.data import PromptRecord
 from stages.policy.tokenizer import TextCodec
 from stages.reward import overlong_penalty
 from stages.rollout.engine import FINISH_LENGTH, FINISH_STOP
-from stages.steps import reward_statistics, score_rows
+from stages.reward.rows import reward_statistics, score_rows
 from stages.tasks.addition import make_tokenizer_json
 from stages.train.batch import _trained, aggregation_weights, build_global_batch
 from stages.train.loss import TARGET_FIELDS

@@ -9,7 +9,8 @@ import pytest
 
 from stages.config import ModelConfig, TrainConfig
 from stages.policy.tokenizer import TextCodec
-from stages.steps import tiny_decoder_config, train_setup
+from stages.tasks.tiny_policy import tiny_decoder_config
+from stages.train.setup import train_setup
 from stages.tasks.addition import make_tokenizer_json, vocab_size
 from stages.train.auto import auto_length_buckets, auto_logprob_chunk_tokens, auto_packing
 

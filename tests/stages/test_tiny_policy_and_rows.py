@@ -1,5 +1,5 @@
-"""Per-stage work in stages/steps.py on small fixtures, against hand-worked numbers and
-transformers."""
+"""The tiny base policy (stages/tasks/tiny_policy.py) and the rows' rewards (stages/reward/rows.py)
+on small fixtures, against hand-worked numbers and transformers."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from stages.config import ModelConfig, RewardConfig, WarmupConfig
 from stages.data import PromptRecord
 from stages.policy import DecoderConfig
 from stages.policy.tokenizer import TextCodec
-from stages.steps import (decode_rows, reward_statistics, score_rows, tiny_base_policy, tiny_decoder_config,
-                          tiny_max_positions)
+from stages.reward.rows import decode_rows, reward_statistics, score_rows
+from stages.tasks.tiny_policy import tiny_base_policy, tiny_decoder_config, tiny_max_positions
 from stages.tasks.addition import make_tokenizer_json
 
 

@@ -27,7 +27,7 @@ import dask
 from distributed import Client, Nanny, Scheduler, SpecCluster
 from distributed.deploy.cluster import Cluster
 
-from flows.config import ClusterConfig, GRPOConfig
+from flows.config import WORKER_SILENCE_S, GRPOConfig
 
 __all__ = ["ClusterError", "Pools", "start_cluster", "check_pools", "dashboard_link", "worker_addresses",
            "run_on_workers", "lost_workers", "restart_train_workers", "worker_resources"]
@@ -55,7 +55,7 @@ class Pools:
     eval: tuple[str, ...] = ()
     """Worker names with the ``eval`` resource: held-out evaluations run there (flows/evaluate.py),
     so an evaluation never holds back a step's gate, rollout or training task."""
-    silence_s: float = ClusterConfig.worker_silence_s
+    silence_s: float = WORKER_SILENCE_S
     """A pooled worker whose last heartbeat the scheduler got longer ago than this is lost: a frozen
     (stopped, deadlocked) process holds its tasks and its peers' collectives until it is killed
     (``cluster.worker_silence_s``)."""

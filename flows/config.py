@@ -34,6 +34,7 @@ __all__ = ["ConfigError", "PLACEMENTS", "WEIGHT_SYNCS", "ClusterConfig", "Mlflow
 
 
 PLACEMENTS = ("colocated", "decoupled")
+WORKER_SILENCE_S = 60.0  # cluster.worker_silence_s's default
 WEIGHT_SYNCS = ("memory", "disk")
 CONTENT_HASHES = ("verify", "send", "none")
 # train.reference_parallel=auto holds the whole reference on every rank up to this size (8 GB in float32).
@@ -58,7 +59,7 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ClusterConfig:
     scheduler_address: Optional[str] = None
     """Connect to this Dask scheduler instead of starting an embedded local cluster."""
@@ -92,7 +93,7 @@ class ClusterConfig:
     published version, at most this many times; then the run fails."""
     worker_wait_s: float = 60.0
     """Longest wait for workers to join: at start-up, and for restarted workers to come back."""
-    worker_silence_s: float = 60.0
+    worker_silence_s: float = WORKER_SILENCE_S
     """A training worker the scheduler has had no heartbeat from for this long (a stopped or
     deadlocked process: its peers' collectives end at train.timeout_s, its own task never does) is
     lost: its nanny kills it and the step is rerun on rebuilt ranks, as for a dead one."""
@@ -143,7 +144,7 @@ class ClusterConfig:
         return self.placement == "colocated"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class MlflowConfig:
     tracking_uri: Optional[str] = None
     """MLflow tracking URI; unset means sqlite in the run folder (runs/<run_name>/mlflow.db)."""
@@ -176,7 +177,7 @@ def resolve_reference_parallel(train: TrainConfig, shape: ModelShape | None) -> 
     return "data" if params <= _WHOLE_REFERENCE_MAX_PARAMS else "pipeline"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class GRPOConfig:
     run_name: str = "tiny"
     """The run's folder name under runs_dir (storage/run_folder.py) and its MLflow run name."""

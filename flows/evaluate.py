@@ -10,7 +10,6 @@ a run with eval on against one without, bit for bit).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from dataclasses import replace
@@ -32,6 +31,7 @@ from stages.rollout.contract import PolicyWeights, RolloutEngine
 from stages.rollout.engine import FINISH_LENGTH, RolloutBatch, SamplingParams
 from stages.rollout.rows import cut_at_stop_strings
 from stages.reward.rows import decode_completions
+from storage.files import file_sha256
 from storage.policies import PolicyRef
 from storage.run_folder import RunFolder
 
@@ -47,7 +47,7 @@ _EVAL_PRIORITY = -10  # Dask priority: below every task of a step (0)
 def eval_config_hash(cfg: GRPOConfig) -> str:
     """What an evaluation's rows depend on besides the weights: the eval, sampling and reward
     settings and the bytes of the held-out file. Stored metrics under another hash are computed again."""
-    data = hashlib.sha256(Path(cfg.eval.path).read_bytes()).hexdigest() if cfg.eval.enabled else ""
+    data = file_sha256(cfg.eval.path) if cfg.eval.enabled else ""
     return config_hash({"eval": cfg.eval, "rollout": replace(cfg.rollout, max_staleness=0, num_engines=1),
                         "reward": cfg.reward, "chat_template": cfg.dataset.chat_template, "data": data})
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from storage.model_folder import ModelFolderError, load_hf_config
+from storage.model_folder import ModelFolderError, iter_tensors, load_hf_config, read_tokenizer_files, tensor_shapes
 from flows.config import ConfigError, GRPOConfig, config_to_dict
 
 __all__ = ["SAFE_TO_CHANGE", "PreflightError", "config_differences", "check_model_folder", "check_draft_folder",
@@ -69,8 +69,6 @@ def check_model_folder(path: str | Path) -> None:
     """An HF folder the run can load: config.json (supported model_type), tokenizer.json and every
     tensor at the shape config.json implies (the safetensors headers), with finite values (every
     weight read once: ~1 s for SmolLM2-135M's 538 MB)."""
-    from safetensors import safe_open
-
     from stages.policy import DecoderConfig, build_stage, hf_named_parameters
 
     path = Path(path)
@@ -82,26 +80,12 @@ def check_model_folder(path: str | Path) -> None:
         model_cfg = DecoderConfig.from_hf(hf)
     except Exception as exc:  # unsupported model_type, missing or inconsistent sizes
         raise _model_error(path, f"config.json: {str(exc).strip().splitlines()[0] or type(exc).__name__}") from None
-    if not (path / "tokenizer.json").is_file():
+    if "tokenizer.json" not in read_tokenizer_files(path):
         raise _model_error(path, "no tokenizer.json (save the tokenizer with save_pretrained into the folder)")
-    index = path / "model.safetensors.index.json"
     try:
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
-            else ["model.safetensors"]
-    except Exception as exc:
-        raise _model_error(path, f"model.safetensors.index.json is unreadable: {str(exc).splitlines()[0]}") from None
-    shapes: dict[str, tuple[int, ...]] = {}
-    for name in files:
-        f = path / name
-        if not f.is_file():
-            raise _model_error(path, f"weights file {name} is missing")
-        try:
-            with safe_open(str(f), framework="pt") as st:
-                for k in st.keys():
-                    shapes[k] = tuple(st.get_slice(k).get_shape())
-        except Exception as exc:
-            raise _model_error(path, f"{name} is not a readable safetensors file: "
-                                     f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from None
+        shapes = tensor_shapes(path)
+    except ModelFolderError as exc:
+        raise PreflightError(str(exc)) from None
     import torch
 
     with torch.device("meta"):
@@ -112,11 +96,9 @@ def check_model_folder(path: str | Path) -> None:
         if shapes[name] != shape:
             raise _model_error(path, f"tensor {name} has shape {list(shapes[name])}, config.json implies {list(shape)}")
     # A NaN or inf weight would train on NaN losses; each tensor is read once (memory-mapped).
-    for name in files:
-        with safe_open(str(path / name), framework="pt") as st:
-            for k in st.keys():
-                if k in expected and not bool(torch.isfinite(st.get_tensor(k)).all()):
-                    raise _model_error(path, f"tensor {k} in {name} holds NaN or infinite values")
+    for file, name, tensor in iter_tensors(path, set(expected)):
+        if not bool(torch.isfinite(tensor).all()):
+            raise _model_error(path, f"tensor {name} in {file} holds NaN or infinite values")
 
 
 def _lr_resolved(config: dict[str, Any], cfg: GRPOConfig) -> dict[str, Any]:

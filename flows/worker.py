@@ -30,7 +30,7 @@ import torch
 from distributed import get_worker
 
 from flows.config import GRPOConfig, config_hash
-from stages.data import PromptRecord, PromptSource, dataset_stamp, open_prompt_source
+from stages.data import PromptRecord, PromptSource, open_prompt_source
 from stages.policy.tokenizer import TextCodec, codec_files_digest, codec_files_stamp
 from stages.rollout.contract import PolicyWeights, RolloutEngine
 from stages.rollout.engine import EngineConfig, engine_placement
@@ -40,6 +40,7 @@ from stages.sync import WeightSender
 from stages.sync.stream import ReceivedVersion, VersionStream
 from stages.train.engine import TrainRank
 from storage.policies import PolicyRef
+from storage.prompt_files import dataset_stamp
 
 __all__ = ["WorkerState", "state", "phase_threads", "set_threads", "worker_name", "engine_settings", "data_stamp"]
 
@@ -203,7 +204,7 @@ def _digest_of(policy_path: str, stamp: tuple) -> str:
 
 
 def data_stamp(cfg: GRPOConfig) -> str:
-    """A digest of the state of the prompt data's files (:func:`~stages.data.dataset_stamp`: path,
+    """A digest of the state of the prompt data's files (:func:`~storage.prompt_files.dataset_stamp`: path,
     inode, size and mtime of each), taken by the driver as it makes a step and stored with the step:
     a folder of many files is walked once a step, not once a task."""
     return config_hash({"files": dataset_stamp(cfg.dataset)})

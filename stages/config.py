@@ -74,7 +74,7 @@ TRAIN_DEVICES = ("cpu", "cuda", "auto")
 TRAIN_DTYPES = ("float32", "bfloat16")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TaskConfig:
     prompts_per_step: int = 16
     """Prompts per iteration, drawn from the ``dataset:`` section (stages/data); each gets
@@ -84,7 +84,7 @@ class TaskConfig:
         _require(self.prompts_per_step >= 1, "task.prompts_per_step must be >= 1")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
     path: Optional[str] = None
     """An HF model folder (config.json, *.safetensors, tokenizer.json) to start from. When unset the
@@ -139,7 +139,7 @@ class ModelConfig:
             attention_bias=attention_bias_of(self.model_type, None), model_type=self.model_type)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class WarmupConfig:
     steps: int = 1200
     """Supervised steps that make the tiny base policy (kept short so GRPO starts below the ceiling)."""
@@ -152,7 +152,7 @@ class WarmupConfig:
         _in_range("warmup.lr", self.lr, low_ok=False)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RolloutConfig:
     group_size: int = 8
     """G: completions per prompt."""
@@ -268,7 +268,7 @@ class RolloutConfig:
         _in_range("rollout.vllm_timeout_s", self.vllm_timeout_s, low_ok=False)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RewardConfig:
     functions: list[str] = field(default_factory=lambda: ["exact_match"])
     """Reward functions: registered names (exact_match, math_answer, ...) or import paths
@@ -317,7 +317,7 @@ class RewardConfig:
             raise ConfigError(str(exc)) from None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class AdvantageConfig:
     estimator: str = "grpo"
     """grpo: A = (R - mean) / (std + eps); dr_grpo: A = R - mean (no std scaling)."""
@@ -332,7 +332,7 @@ IS_MODES = ("none", "truncate", "mask")
 PROXIMAL_SOURCES = ("current", "pass")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class OffPolicyConfig:
     """Off-policy corrections and numerical guards of the loss (``train.off_policy``). The defaults
     leave the loss as the plain on-policy GRPO loss."""
@@ -385,7 +385,7 @@ class OffPolicyConfig:
             raise ConfigError(f"train.off_policy.log_ratio_clamp={self.log_ratio_clamp} must be > 0 (e.g. 20)")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
     pipeline_model_parallel_size: int = 2
     """p: pipeline ranks. Training ranks (Dask workers with the ``train`` resource) = p x dp x tp."""

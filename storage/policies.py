@@ -34,6 +34,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from storage.model_folder import read_tokenizer_files, weight_files
+
 __all__ = ["PolicyStoreError", "PolicyRef", "PolicyStore", "load_model_folder", "load_tokenizer_json"]
 
 _OPTIM_DIR = "optim"
@@ -345,13 +347,9 @@ def load_model_folder(path: str | Path, names: set[str] | None = None) -> tuple[
     path = Path(path)
     try:
         hf_config = json.loads((path / "config.json").read_text())
-        tok_path = path / "tokenizer.json"
-        tokenizer_json = tok_path.read_text() if tok_path.exists() else ""
-        index = path / "model.safetensors.index.json"
-        files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
-                 else ["model.safetensors"])
+        tokenizer_json = read_tokenizer_files(path).get("tokenizer.json", b"").decode()
         tensors: dict[str, torch.Tensor] = {}
-        for f in files:
+        for f in weight_files(path):
             if names is None:
                 tensors.update(load_file(str(path / f)))
                 continue

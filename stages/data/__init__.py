@@ -4,10 +4,10 @@ behind one interface: the deterministic records of each step and the prompt widt
 from stages.data.config import OVERFLOW_POLICIES, SOURCE_KINDS, DatasetConfig, DatasetError
 from stages.data.readers import RawRecord, read_records
 from stages.data.source import (AdditionPromptSource, FilePromptSource, PromptCodec, PromptRecord, PromptSource,
-                                dataset_stamp, open_prompt_source)
+                                open_prompt_source)
 
 __all__ = [
     "DatasetConfig", "DatasetError", "SOURCE_KINDS", "OVERFLOW_POLICIES", "RawRecord", "read_records",
     "PromptCodec", "PromptRecord", "PromptSource", "FilePromptSource", "AdditionPromptSource",
-    "dataset_stamp", "open_prompt_source",
+    "open_prompt_source",
 ]

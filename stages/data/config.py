@@ -17,7 +17,7 @@ class DatasetError(ValueError):
     """A dataset setting or a record is wrong; the message names the key or the file, row and field."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class DatasetConfig:
     kind: str = "addition"
     """Where prompts come from: ``addition`` (the built-in synthetic task, generated per step),

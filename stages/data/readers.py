@@ -1,4 +1,5 @@
-"""Read prompt records from a JSONL file, a parquet file or a saved Hugging Face dataset.
+"""Prompt records from a JSONL file, a parquet file or a saved Hugging Face dataset: the rows that
+storage/prompt_files.py reads, parsed into records.
 
 Every bad record fails the whole load with one line naming the file, the line (JSONL, 1-based) or
 row (parquet / hf, 0-based) and the field, so a dataset is fixed before a run spends any compute.
@@ -6,13 +7,13 @@ row (parquet / hf, 0-based) and the field, so a dataset is fixed before a run sp
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from stages.data.config import RESERVED_FIELDS, DatasetConfig, DatasetError
+from storage import prompt_files  # the module: storage/prompt_files.py imports stages.data.config
 
 __all__ = ["RawRecord", "read_records"]
 
@@ -39,11 +40,11 @@ def read_records(cfg: DatasetConfig) -> list[RawRecord]:
     """All records of the configured file or folder (kinds jsonl, parquet, hf), in stored order."""
     path = Path(cfg.path or "")
     if cfg.kind == "jsonl":
-        records = _read_jsonl(path, cfg)
+        records = [_record(where, row, cfg) for where, row in prompt_files.jsonl_rows(path)]
     elif cfg.kind == "parquet":
-        records = _read_table(_parquet_table(path), str(path), cfg)
+        records = _read_table(prompt_files.parquet_table(path), str(path), cfg)
     elif cfg.kind == "hf":
-        records = _read_table(_hf_table(path), str(path), cfg)
+        records = _read_table(prompt_files.hf_table(path), str(path), cfg)
     else:
         raise DatasetError(f"dataset.kind={cfg.kind} has no file to read")
     if not records:
@@ -111,61 +112,6 @@ def _answer_text(where: str, value: Any, name: str) -> str:
             raise DatasetError(f"{where}: field {name!r} is {value}, not a finite number")
         return str(int(value)) if value.is_integer() else repr(value)
     return str(value)
-
-
-def _read_jsonl(path: Path, cfg: DatasetConfig) -> list[RawRecord]:
-    if not path.is_file():
-        raise DatasetError(f"{path}: not found (dataset.path)")
-    records = []
-    with path.open("rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            where = f"{path}:line {lineno}"
-            if lineno == 1:
-                raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark, as some editors write
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise DatasetError(f"{where}: not UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); "
-                                   "write the file as UTF-8") from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DatasetError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-            if not isinstance(row, dict):
-                raise DatasetError(f"{where}: a {type(row).__name__}, not a JSON object")
-            records.append(_record(where, row, cfg))
-    return records
-
-
-def _parquet_table(path: Path):
-    import pyarrow.parquet as pq
-
-    if not path.is_file():
-        raise DatasetError(f"{path}: not found (dataset.path)")
-    try:
-        return pq.read_table(path)
-    except Exception as exc:  # pyarrow raises several types for a bad file
-        raise DatasetError(f"{path}: not a readable parquet file ({exc})") from exc
-
-
-def _hf_table(path: Path):
-    try:
-        from datasets import Dataset, DatasetDict, load_from_disk
-    except ImportError as exc:
-        raise DatasetError("dataset.kind=hf needs the datasets package: pip install 'grpoflow[hf]'") from exc
-    if not path.is_dir():
-        raise DatasetError(f"{path}: not found (dataset.path must be a folder written by save_to_disk)")
-    try:
-        ds = load_from_disk(str(path))
-    except Exception as exc:
-        raise DatasetError(f"{path}: not a saved Hugging Face dataset ({exc})") from exc
-    if isinstance(ds, DatasetDict):
-        splits = ", ".join(f"{path}/{name}" for name in ds)
-        raise DatasetError(f"{path}: holds several splits; set dataset.path to one of {splits}")
-    assert isinstance(ds, Dataset)
-    return ds.with_format("arrow")[:]  # the rows in dataset order (any select/shuffle applied)
 
 
 def _read_table(table, path: str, cfg: DatasetConfig) -> list[RawRecord]:

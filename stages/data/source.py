@@ -16,18 +16,16 @@ generates them from ``(seed, k, r)``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional, Protocol
 
 import numpy as np
 
 from stages.data.config import DatasetConfig, DatasetError
 from stages.data.readers import RawRecord, read_records
-from stages.files import file_stamp
 from stages.tasks.addition import answer_of, make_prompts
 
 __all__ = ["PromptCodec", "PromptRecord", "PromptSource", "FilePromptSource", "AdditionPromptSource",
-           "dataset_stamp", "open_prompt_source"]
+           "open_prompt_source"]
 
 
 class PromptCodec(Protocol):
@@ -69,17 +67,6 @@ class PromptSource(Protocol):
     """Steps the data allows (None: unlimited)."""
 
     def records(self, step: int, round: int = 0) -> list[PromptRecord]: ...
-
-
-def dataset_stamp(cfg: DatasetConfig) -> tuple:
-    """(path, :func:`~stages.files.file_stamp`) of every file the configured data is read from (none for the
-    generated addition task): equal stamps mean data not rewritten since, so a cache of opened
-    sources can key on it and a file edited between two runs on one cluster is read again."""
-    if cfg.kind == "addition" or not cfg.path:
-        return ()
-    root = Path(cfg.path)
-    files = [root] if root.is_file() else sorted(f for f in root.rglob("*") if f.is_file())
-    return tuple((str(f), file_stamp(f)) for f in files)
 
 
 def open_prompt_source(cfg: DatasetConfig, codec: PromptCodec, prompts_per_step: int) -> PromptSource:

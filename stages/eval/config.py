@@ -18,7 +18,7 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class EvalConfig:
     path: Optional[str] = None
     """Held-out prompts (JSONL or Parquet, the dataset section's fields), never trained on; unset:

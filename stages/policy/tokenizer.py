@@ -27,20 +27,20 @@ from typing import Any, Optional, Union
 
 from tokenizers import Tokenizer
 
-from stages.files import file_stamp
+from storage.files import file_stamp
+from storage.model_folder import TOKENIZER_FILES, read_tokenizer_files
 
 __all__ = ["CODEC_FILES", "Prompt", "TextCodec", "TokenizerFolderError", "codec_files_digest", "codec_files_stamp",
            "render_chat_template"]
 
-CODEC_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-               "chat_template.jinja")
+CODEC_FILES = TOKENIZER_FILES
 """Every file of a policy folder that :meth:`TextCodec.from_policy_folder` may read."""
 Prompt = Union[str, Sequence[Mapping[str, str]]]
 """A user prompt's text, or chat messages ({"role", "content"}) ending in a user turn."""
 
 
 def codec_files_stamp(path: str | Path) -> tuple:
-    """:func:`~stages.files.file_stamp` of each of :data:`CODEC_FILES` in ``path``: equal stamps mean
+    """:func:`~storage.files.file_stamp` of each of :data:`CODEC_FILES` in ``path``: equal stamps mean
     files not rewritten since, for a cache in front of :func:`codec_files_digest`."""
     return tuple(file_stamp(Path(path) / name) for name in CODEC_FILES)
 
@@ -49,9 +49,9 @@ def codec_files_digest(path: str | Path) -> str:
     """A digest of the bytes of :data:`CODEC_FILES` in ``path`` (an absent file counts as absent):
     two folders with equal digests give the same :class:`TextCodec`."""
     h = hashlib.blake2b(digest_size=16)
+    files = read_tokenizer_files(path)
     for name in CODEC_FILES:
-        f = Path(path) / name
-        data = f.read_bytes() if f.is_file() else None
+        data = files.get(name)
         h.update(name.encode() + (b"\0absent" if data is None else b"\0%d\0" % len(data) + data))
     return h.hexdigest()
 
@@ -101,24 +101,29 @@ class TextCodec:
         tokenizer_config.json or generation_config.json, else the built-in tiny tokenizer's lone
         tokenizer.json with its literal special tokens (:meth:`from_json`); with ``system_prompt``."""
         folder = Path(path)
-        if (folder / "tokenizer_config.json").is_file() or (folder / "generation_config.json").is_file():
-            return dataclasses.replace(cls.from_folder(folder, use_chat_template), system_prompt=system_prompt)
-        tok_file = folder / "tokenizer.json"
-        if not tok_file.is_file():
-            raise TokenizerFolderError(f"{tok_file}: not found; a policy folder needs its tokenizer.json")
-        return dataclasses.replace(cls.from_json(tok_file.read_text()), system_prompt=system_prompt)
+        files = read_tokenizer_files(folder)
+        if "tokenizer_config.json" in files or "generation_config.json" in files:
+            return dataclasses.replace(cls._from_hf_files(folder, files, use_chat_template), system_prompt=system_prompt)
+        if "tokenizer.json" not in files:
+            raise TokenizerFolderError(f"{folder / 'tokenizer.json'}: not found; a policy folder needs its tokenizer.json")
+        return dataclasses.replace(cls.from_json(files["tokenizer.json"].decode()), system_prompt=system_prompt)
 
     @classmethod
     def from_folder(cls, path: str | Path, use_chat_template: bool = True) -> "TextCodec":
         """An HF tokenizer folder: tokenizer.json plus the optional config files named above."""
-        folder = Path(path)
-        tok_file = folder / "tokenizer.json"
-        if not tok_file.is_file():
-            raise TokenizerFolderError(f"{tok_file}: not found; a tokenizer folder needs tokenizer.json "
+        return cls._from_hf_files(Path(path), read_tokenizer_files(path), use_chat_template)
+
+    @classmethod
+    def _from_hf_files(cls, folder: Path, files: Mapping[str, bytes], use_chat_template: bool) -> "TextCodec":
+        """The tokenizer of an HF folder from its files' bytes (storage/model_folder.py
+        ``read_tokenizer_files``); ``folder`` names it in errors."""
+        if "tokenizer.json" not in files:
+            raise TokenizerFolderError(f"{folder / 'tokenizer.json'}: not found; a tokenizer folder needs tokenizer.json "
                                        "(the fast-tokenizer file)")
-        tok = Tokenizer.from_file(str(tok_file))
-        config = {**_read_json(folder / "special_tokens_map.json"), **_read_json(folder / "tokenizer_config.json")}
-        generation = _read_json(folder / "generation_config.json")
+        tok = Tokenizer.from_str(files["tokenizer.json"].decode())
+        config = {**_parse_json(folder, files, "special_tokens_map.json"),
+                  **_parse_json(folder, files, "tokenizer_config.json")}
+        generation = _parse_json(folder, files, "generation_config.json")
 
         def token_id(key: str) -> tuple[Optional[str], Optional[int]]:
             name = _token_name(config.get(key))
@@ -143,9 +148,8 @@ class TextCodec:
             raise TokenizerFolderError(f"{folder}: no eos token: set eos_token in tokenizer_config.json or "
                                        "eos_token_id in generation_config.json")
         template = config.get("chat_template")
-        jinja_file = folder / "chat_template.jinja"
-        if template is None and jinja_file.is_file():
-            template = jinja_file.read_text()
+        if template is None and "chat_template.jinja" in files:
+            template = files["chat_template.jinja"].decode()
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         return cls(tok, bos_id, tuple(eos_ids), eos_ids[0] if pad_id is None else pad_id,
@@ -234,13 +238,13 @@ def render_chat_template(template: str, messages: list[dict[str, str]], **variab
     return env.from_string(template).render(messages=messages, add_generation_prompt=True, **variables)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
+def _parse_json(folder: Path, files: Mapping[str, bytes], name: str) -> dict[str, Any]:
+    if name not in files:
         return {}
     try:
-        return json.loads(path.read_text())
+        return json.loads(files[name])
     except json.JSONDecodeError as exc:
-        raise TokenizerFolderError(f"{path}: not valid JSON ({exc})") from exc
+        raise TokenizerFolderError(f"{folder / name}: not valid JSON ({exc})") from exc
 
 
 def _token_name(value: Any) -> Optional[str]:

@@ -1,12 +1,14 @@
-"""Whether a file was rewritten since it was last read, without reading it."""
+"""Facts about a file: whether it was rewritten since it was last read (without reading it), and the
+digest of its bytes."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["file_stamp"]
+__all__ = ["file_stamp", "file_sha256"]
 
 
 def file_stamp(path: str | Path) -> Optional[tuple[int, int, int]]:
@@ -17,3 +19,8 @@ def file_stamp(path: str | Path) -> Optional[tuple[int, int, int]]:
     except FileNotFoundError:
         return None
     return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def file_sha256(path: str | Path) -> str:
+    """The sha256 of the file's bytes, as hex."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()

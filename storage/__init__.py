@@ -1,1 +1,2 @@
-"""The only place that does IO: the Zarr rollout store, policy versions and MLflow lineage."""
+"""The IO of a run: the Zarr stores, policy versions, HF model folders, prompt files, the run folder
+and MLflow lineage."""

@@ -21,7 +21,9 @@ generates from the policy version the rule names, decoupled PPO anchors the clip
 current weights (the train forward's own log-probs, or a ``proximal`` stage's stored pass with
 train.off_policy.proximal = pass), and the training-rank tasks of step k wait on step k-1's train
 (``prev_train``), so every rank runs the collectives of consecutive steps in the same order.
-:func:`submit_iteration` builds one step's graph; :func:`finish_iteration` waits for it.
+:func:`plan_step` lays one step's graph out without Dask (a :class:`StepPlan`: its tasks and
+stages, one planner method per stage, in the diagram's order), :func:`submit_plan` submits it,
+:func:`submit_iteration` does both for a step of the store, and :func:`finish_iteration` waits for it.
 
 Losing a worker: stateless tasks (scoring, advantage, publish, the gates) carry no worker
 restriction and Dask ``retries``, and rewrite whole chunk-aligned regions, so Dask reruns them
@@ -35,7 +37,7 @@ one is not; flows/run_loop.py then rebuilds the ranks and reruns the step.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Collection
 
 from dask.base import tokenize
@@ -51,8 +53,8 @@ from storage.rollouts import RolloutStore, StepLayout, StepRef
 from storage.run_folder import RunFolder
 
 __all__ = ["STAGES", "IterationError", "WorkerLostError", "IterationResult", "PendingIteration", "PendingPolicy",
-           "StageFutures", "run_iteration", "prepare_step", "submit_iteration", "finish_iteration", "step_layout",
-           "step_stages", "inside_stages", "stage_inputs"]
+           "StageFutures", "Dep", "Task", "StepPlan", "plan_step", "submit_plan", "run_iteration", "prepare_step",
+           "submit_iteration", "finish_iteration", "step_layout", "step_stages", "inside_stages", "stage_inputs"]
 
 STAGES = ("rollout", "reward", "reference", "advantage", "train", "publish")
 # What each stage waits for; a stage's seconds are measured from the last of these finishing.
@@ -122,7 +124,8 @@ class IterationResult:
 
 @dataclass(frozen=True)
 class StageFutures:
-    """One stage's futures in the step's graph."""
+    """One stage's futures in the step's graph (in a :class:`StepPlan`, the :class:`Dep` s of its
+    tasks in their place)."""
 
     stage: str
     work: tuple[Future, ...] = ()
@@ -198,157 +201,255 @@ def _ranges(num_groups: int, groups_per_chunk: int, parts: int) -> list[tuple[in
     return [(lo, min(hi, num_groups)) for lo, hi in zip(bounds, bounds[1:]) if lo < min(hi, num_groups)]
 
 
-def _submit(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFolder, ref: StepRef,
-            policy: Policy, done: set[str], prev_train: tuple[Future, ...] = (),
-            attempt: int = 0) -> dict[str, StageFutures]:
-    G = cfg.rollout.group_size
-    # What tasks take for the policy: the version's PolicyRef, or the future of the task publishing it.
-    pending = isinstance(policy, PendingPolicy)
-    policy_arg = policy.publish if pending else policy
-    layout = RolloutStore(ref.root).layout(ref.step)  # as stored: writers keep to its chunks
-    gpc = layout.chunk_samples // G
-    # A rerun of the step gets new keys: a task of the abandoned attempt may still be running.
-    tok = tokenize(ref, policy.publish.key if pending else policy.sha256, config_hash(cfg), attempt)
-    world = len(pools.train)  # training ranks: one reference and one train task each
-    train_pin = [dict(workers=[pools.train_addresses[r]], resources={"train": 1}, pure=False) for r in range(world)]
-    new_version = ref.step + 1  # the trainer holds version ref.step (flows/async_schedule.py)
-    # Short tasks go to the plain workers (any worker if none is left): Dask would otherwise put them
-    # beside their inputs' results, behind a rank's next pass or another step's rollout.
-    io = dict(workers=list(pools.plain), allow_other_workers=True) if pools.plain else {}
-    io["retries"] = _STATELESS_RETRIES  # stateless: rerun elsewhere if their worker dies
-    stages: dict[str, StageFutures] = {}
+@dataclass(frozen=True)
+class Dep:
+    """In a :class:`StepPlan`, the future of the plan's task with this key."""
 
-    def add(stage: str, calls: list[tuple], **attrs) -> tuple[Future, ...]:
-        """Submit the stage's tasks, ``calls`` = [(function, args, submit keywords)], and what marks
-        it complete in the store once all of them have written: a gate task after them or, for a
-        stage of one task, that task itself (one scheduler hop fewer on the step's path)."""
+    key: str
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task of a step's plan: ``client.submit(fn, *args, **options)``, each :class:`Dep` among
+    ``args`` (or in a tuple or list there) replaced by the future of that task."""
+
+    fn: Callable
+    args: tuple
+    options: dict
+
+    @property
+    def key(self) -> str:
+        return self.options["key"]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A step's graph before anything is submitted: its tasks in submission order, and each stage
+    as a :class:`StageFutures` whose handles are :class:`Dep` s. :func:`plan_step` makes it without
+    Dask; :func:`submit_plan` submits it."""
+
+    tasks: tuple[Task, ...]
+    stages: dict[str, StageFutures]
+
+
+class _StepPlanner:
+    """Builds a :class:`StepPlan` stage by stage; each stage's method returns what the stages after
+    it wait on."""
+
+    def __init__(self, cfg: GRPOConfig, pools: Pools, folder: RunFolder, ref: StepRef, layout: StepLayout,
+                 policy: Policy, done: Collection[str], prev_train: tuple, attempt: int):
+        self.cfg, self.pools, self.folder, self.ref, self.layout = cfg, pools, folder, ref, layout
+        self.done, self.prev_train = set(done), tuple(prev_train)
+        self.G = cfg.rollout.group_size
+        self.gpc = layout.chunk_samples // self.G
+        # What tasks take for the policy: the version's PolicyRef, or the future of the task publishing it.
+        pending = isinstance(policy, PendingPolicy)
+        self.policy_arg = policy.publish if pending else policy
+        self.policy_path = policy.path
+        # A rerun of the step gets new keys: a task of the abandoned attempt may still be running.
+        self.tok = tokenize(ref, policy.publish.key if pending else policy.sha256, config_hash(cfg), attempt)
+        self.world = len(pools.train)  # training ranks: one reference and one train task each
+        self.train_pin = [dict(workers=[pools.train_addresses[r]], resources={"train": 1}, pure=False)
+                          for r in range(self.world)]
+        self.new_version = ref.step + 1  # the trainer holds version ref.step (flows/async_schedule.py)
+        # Short tasks go to the plain workers (any worker if none is left): Dask would otherwise put them
+        # beside their inputs' results, behind a rank's next pass or another step's rollout.
+        self.io = dict(workers=list(pools.plain), allow_other_workers=True) if pools.plain else {}
+        self.io["retries"] = _STATELESS_RETRIES  # stateless: rerun elsewhere if their worker dies
+        self.inside = inside_stages(cfg, done)
+        self.tasks: list[Task] = []
+        self.stages: dict[str, StageFutures] = {}
+
+    # -- the stages, in the order of the diagram in this module's docstring ------------------------
+
+    def rollout(self) -> tuple[tuple[Dep, ...], tuple[Dep, ...]]:
+        """(what reads the rollout's rows waits on, the gate of the scores the rollout tasks wrote:
+        reward.in_rollout, else none)."""
+        ref, tok = self.ref, self.tok
+        if "rollout" in self.done:
+            return self.skip("rollout"), ()
+        # Any engine may take any range (rows are seeded by step and prompt): no address pin, so an
+        # engine restarted at a new address picks up the range its predecessor lost. (Dask spreads the
+        # ranges over the engines as none of them holds the publish task's result, a plain worker's.)
+        scored = "reward" in self.inside
+        engines = self.pools.rollout
+        calls = [(tasks.rollout_task, (self.cfg, ref, self.policy_arg, lo, hi, engine, scored),
+                  dict(key=f"rollout-{ref.step}-{i}-{tok}", resources={"rollout": 1}, pure=False))
+                 for i, (lo, hi) in enumerate(_ranges(self.layout.num_prompts, self.gpc, len(engines)))
+                 for engine in [engines[i % len(engines)]]]
+        if not scored:
+            return self.add("rollout", calls), ()
+        # One gate marks rollout, reward and advantage with the step's statistics. The tasks after it
+        # read only the arrays the rollout tasks wrote, so they wait on those tasks and the gate runs
+        # beside them; publish waits on the gate, so no later stage is marked before these three.
+        work = tuple(self.task(fn, *args, **kw) for fn, args, kw in calls)
+        gate = self.task(tasks.mark_scored, self.cfg, ref, *work, rollout=True, key=f"rollout-scored-{ref.step}-{tok}",
+                         **self.io)
+        self.stages["rollout"] = StageFutures("rollout", work, gate, marked_by_next=True)
+        self.stages["reward"] = StageFutures("reward", work, inside="rollout")
+        self.stages["advantage"] = StageFutures("advantage", (gate,), gate, beside=True)  # the reward statistics
+        return work, (gate,)
+
+    def scoring(self, rollout: tuple[Dep, ...]) -> tuple[Dep, ...]:
+        """Reward and advantage: what the train tasks wait on for the advantages."""
+        cfg, ref, tok, G = self.cfg, self.ref, self.tok, self.G
+        if "reward" in self.inside:
+            return ()  # the rollout tasks score, their gate marks the scores
+        if "reward" in self.done:
+            self.skip("reward")
+            if "advantage" in self.done:
+                return self.skip("advantage")
+            # rewards stored without their advantages
+            return self.add("advantage", [(tasks.advantage_task, (cfg, ref), dict(key=f"advantage-{ref.step}-{tok}",
+                                                                                   **self.io))])
+        # each scoring task writes rewards and advantages of whole groups
+        scoring = [(tasks.score_task, (cfg, ref, self.policy_path, lo * G, hi * G, *rollout),
+                    dict(key=f"score-{ref.step}-{i}-{tok}", **self.io))
+                   for i, (lo, hi) in enumerate(_ranges(self.layout.num_prompts, self.gpc, cfg.reward.num_tasks))]
+        if len(scoring) == 1:
+            fn, args, kw = scoring[0]
+            work = (self.task(tasks.run_and_mark, fn, ref, tasks.SCORED, {}, *args, **kw),)
+            gate = work[0]
+        else:
+            work = tuple(self.task(fn, *args, **kw) for fn, args, kw in scoring)
+            gate = self.task(tasks.mark_scored, cfg, ref, *work, key=f"score-done-{ref.step}-{tok}", **self.io)
+        self.stages["reward"] = StageFutures("reward", work, gate)
+        self.stages["advantage"] = StageFutures("advantage", (gate,), gate)  # the step's reward statistics
+        return (gate,)
+
+    def reference(self, rollout: tuple[Dep, ...], scored_gate: tuple[Dep, ...]) -> tuple[Dep, ...]:
+        """The reference pass, one task per rank (none with kl_beta 0, or inside train when fused)."""
+        cfg, ref, tok = self.cfg, self.ref, self.tok
+        if "reference" not in step_stages(cfg):
+            return ()  # kl_beta 0: no pass; the train tasks read zeros for ref_logp
+        if "reference" in self.done:
+            return self.skip("reference")
+        if "reference" in self.inside:
+            return ()  # train.reference_pass = fused: the train tasks run it
+        # A task that marks its own stage waits for the rollout's mark (reward.in_rollout: the
+        # gate's), so a resumed step never holds a pass over rows it then generates again.
+        return self.add_ranked("reference", [(tasks.reference_task, (cfg, ref, *rollout, *scored_gate, *self.prev_train),
+                                              dict(key=f"reference-{ref.step}-{r}-{tok}", **self.train_pin[r]))
+                                             for r in range(self.world)])
+
+    def proximal(self, rollout: tuple[Dep, ...], scored_gate: tuple[Dep, ...],
+                 reference: tuple[Dep, ...]) -> tuple[Dep, ...]:
+        """The proximal pass (train.off_policy.proximal = pass): the trainer's current weights, after
+        the previous step's train, before this one's."""
+        cfg, ref, tok = self.cfg, self.ref, self.tok
+        if "proximal" not in step_stages(cfg):
+            return ()
+        if "proximal" in self.done:
+            return self.skip("proximal")
+        return self.add_ranked("proximal", [(tasks.proximal_task, (cfg, ref, *rollout, *scored_gate, *reference,
+                                                                   *self.own(r, "reference"), *self.prev_train),
+                                             dict(key=f"proximal-{ref.step}-{r}-{tok}", **self.train_pin[r]))
+                                            for r in range(self.world)])
+
+    def train(self, rollout: tuple[Dep, ...], advantage: tuple[Dep, ...], reference: tuple[Dep, ...],
+              proximal: tuple[Dep, ...]) -> tuple[Dep, ...]:
+        """One train task per rank (none when every rank's shard of the new version is on disk)."""
+        if "train" in self.done:
+            return ()
+        fused = "reference" in self.inside
+        trains = tuple(self.task(tasks.train_task, self.cfg, self.ref, self.folder, self.new_version, fused, *rollout,
+                                 *advantage, *reference, *proximal, *self.own(r, "reference", "proximal"),
+                                 *self.prev_train, key=f"train-{self.ref.step}-{r}-{self.tok}", **self.train_pin[r])
+                       for r in range(self.world))
+        if fused:
+            self.stages["reference"] = StageFutures("reference", trains, inside="train")
+        return trains
+
+    def publish(self, trains: tuple[Dep, ...], scored_gate: tuple[Dep, ...]) -> None:
+        """Publish always runs: it is idempotent, and a step whose publish is complete is not rerun.
+        It marks train complete first (with the ranks' results), so no gate task stands between them."""
+        ref = self.ref
+        publish = self.task(tasks.run_and_mark, tasks.publish_task, ref, "publish",
+                            {"next_policy_version": self.new_version}, self.folder, ref, self.new_version,
+                            self.policy_arg, self.cfg.train.pipeline_model_parallel_size,
+                            {"trainer_version": ref.step} if trains else None, trains, *scored_gate,
+                            key=f"publish-{ref.step}-{self.tok}", **self.io)
+        self.stages["train"] = (StageFutures("train", trains, publish, marked_by_next=True) if trains
+                                else StageFutures("train"))
+        self.stages["publish"] = StageFutures("publish", (publish,), publish)
+
+    # -- building blocks ---------------------------------------------------------------------------
+
+    def task(self, fn: Callable, *args, **options) -> Dep:
+        self.tasks.append(Task(fn, args, options))
+        return Dep(options["key"])
+
+    def add(self, stage: str, calls: list[tuple], **attrs) -> tuple[Dep, ...]:
+        """The stage's tasks, ``calls`` = [(function, args, submit keywords)], and what marks it
+        complete in the store once all of them have written: a gate task after them or, for a stage
+        of one task, that task itself (one scheduler hop fewer on the step's path)."""
+        ref = self.ref
         if len(calls) == 1:
             fn, args, kw = calls[0]
-            work = client.submit(tasks.run_and_mark, fn, ref, stage, attrs, *args, **kw)
-            stages[stage] = StageFutures(stage, (work,), work)
+            work = self.task(tasks.run_and_mark, fn, ref, stage, attrs, *args, **kw)
+            self.stages[stage] = StageFutures(stage, (work,), work)
         else:
-            work = tuple(client.submit(fn, *args, **kw) for fn, args, kw in calls)
-            gate = client.submit(tasks.mark_stage_complete, ref, stage, *work, attrs=attrs,
-                                 key=f"{stage}-done-{ref.step}-{tok}", **io)
-            stages[stage] = StageFutures(stage, work, gate)
-        return stages[stage].deps
+            work = tuple(self.task(fn, *args, **kw) for fn, args, kw in calls)
+            gate = self.task(tasks.mark_stage_complete, ref, stage, *work, attrs=attrs,
+                             key=f"{stage}-done-{ref.step}-{self.tok}", **self.io)
+            self.stages[stage] = StageFutures(stage, work, gate)
+        return self.stages[stage].deps
 
-    def add_ranked(stage: str, calls: list[tuple], **attrs) -> tuple[Future, ...]:
+    def add_ranked(self, stage: str, calls: list[tuple], **attrs) -> tuple[Dep, ...]:
         """A forward-only stage of one task per training rank (``calls`` in rank order), whose only
         output the output rank writes: that rank's task marks the stage complete itself, after its
         write. Its pass ends only once every rank has done its share (a pipeline or a reduction onto
         it), so downstream stages wait on it alone, with no gate task between; each rank's next
-        task also waits on its own task of the stage (``own``)."""
-        out = cfg.train.layout.output_rank
-        work = tuple(client.submit(tasks.run_and_mark, fn, ref, stage, attrs, *args, **kw) if r == out
-                     else client.submit(fn, *args, **kw) for r, (fn, args, kw) in enumerate(calls))
-        stages[stage] = StageFutures(stage, work, work[out])
-        return stages[stage].deps
+        task also waits on its own task of the stage (:meth:`own`)."""
+        out = self.cfg.train.layout.output_rank
+        work = tuple(self.task(tasks.run_and_mark, fn, self.ref, stage, attrs, *args, **kw) if r == out
+                     else self.task(fn, *args, **kw) for r, (fn, args, kw) in enumerate(calls))
+        self.stages[stage] = StageFutures(stage, work, work[out])
+        return self.stages[stage].deps
 
-    def own(rank: int, *names: str) -> tuple[Future, ...]:
+    def own(self, rank: int, *names: str) -> tuple[Dep, ...]:
         """Rank ``rank``'s tasks of the ranked stages ``names`` (those not skipped)."""
-        return tuple(stages[n].work[rank] for n in names if n in stages and stages[n].work)
+        return tuple(self.stages[n].work[rank] for n in names if n in self.stages and self.stages[n].work)
 
-    def skip(stage: str) -> tuple[Future, ...]:
-        stages[stage] = StageFutures(stage)
+    def skip(self, stage: str) -> tuple[Dep, ...]:
+        self.stages[stage] = StageFutures(stage)
         return ()
 
-    # reward.in_rollout: each engine scores the groups it generates (a range of whole groups).
-    inside = inside_stages(cfg, done)
-    scored_in_rollout = "reward" in inside
-    scored_gate: tuple[Future, ...] = ()  # the gate marking what the rollout tasks scored; publish waits on it
-    if "rollout" in done:
-        rollout = skip("rollout")
-    else:
-        # Any engine may take any range (rows are seeded by step and prompt): no address pin, so an
-        # engine restarted at a new address picks up the range its predecessor lost. (Dask spreads the
-        # ranges over the engines as none of them holds the publish task's result, a plain worker's.)
-        calls = [(tasks.rollout_task, (cfg, ref, policy_arg, lo, hi, engine, scored_in_rollout),
-                  dict(key=f"rollout-{ref.step}-{i}-{tok}", resources={"rollout": 1}, pure=False))
-                 for i, (lo, hi) in enumerate(_ranges(layout.num_prompts, gpc, len(pools.rollout)))
-                 for engine in [pools.rollout[i % len(pools.rollout)]]]
-        if scored_in_rollout:
-            # One gate marks rollout, reward and advantage with the step's statistics. The tasks
-            # after it read only the arrays the rollout tasks wrote, so they wait on those tasks
-            # and the gate runs beside them; publish waits on the gate, so no later stage is marked
-            # before these three.
-            work = tuple(client.submit(fn, *args, **kw) for fn, args, kw in calls)
-            gate = client.submit(tasks.mark_scored, cfg, ref, *work, rollout=True,
-                                 key=f"rollout-scored-{ref.step}-{tok}", **io)
-            stages["rollout"] = StageFutures("rollout", work, gate, marked_by_next=True)
-            stages["reward"] = StageFutures("reward", work, inside="rollout")
-            stages["advantage"] = StageFutures("advantage", (gate,), gate, beside=True)  # the reward statistics
-            rollout, advantage, scored_gate = work, (), (gate,)
-        else:
-            rollout = add("rollout", calls)
 
-    if scored_in_rollout:
-        pass  # the rollout tasks score, their gate marks the scores (above)
-    elif "reward" not in done:  # each scoring task writes rewards and advantages of whole groups
-        scoring = [(tasks.score_task, (cfg, ref, policy.path, lo * G, hi * G, *rollout),
-                    dict(key=f"score-{ref.step}-{i}-{tok}", **io))
-                   for i, (lo, hi) in enumerate(_ranges(layout.num_prompts, gpc, cfg.reward.num_tasks))]
-        if len(scoring) == 1:
-            fn, args, kw = scoring[0]
-            work = (client.submit(tasks.run_and_mark, fn, ref, tasks.SCORED, {}, *args, **kw),)
-            gate = work[0]
-        else:
-            work = tuple(client.submit(fn, *args, **kw) for fn, args, kw in scoring)
-            gate = client.submit(tasks.mark_scored, cfg, ref, *work, key=f"score-done-{ref.step}-{tok}", **io)
-        stages["reward"] = StageFutures("reward", work, gate)
-        stages["advantage"] = StageFutures("advantage", (gate,), gate)  # the step's reward statistics
-        advantage = (gate,)
-    else:
-        skip("reward")
-        if "advantage" in done:
-            advantage = skip("advantage")
-        else:  # rewards stored without their advantages
-            advantage = add("advantage", [(tasks.advantage_task, (cfg, ref),
-                                           dict(key=f"advantage-{ref.step}-{tok}", **io))])
+def plan_step(cfg: GRPOConfig, pools: Pools, folder: RunFolder, ref: StepRef, layout: StepLayout, policy: Policy,
+              done: Collection[str] = (), prev_train: tuple = (), attempt: int = 0) -> StepPlan:
+    """Step ``ref.step``'s graph as a :class:`StepPlan`, without Dask: its stored ``layout``, the
+    stages ``done`` already (a resumed step), the previous step's train gate ``prev_train`` (passed
+    through to the training-rank tasks as given) and the rerun number ``attempt`` (new task keys)."""
+    plan = _StepPlanner(cfg, pools, folder, ref, layout, policy, done, prev_train, attempt)
+    rollout, scored_gate = plan.rollout()
+    advantage = plan.scoring(rollout)
+    reference = plan.reference(rollout, scored_gate)
+    proximal = plan.proximal(rollout, scored_gate, reference)
+    trains = plan.train(rollout, advantage, reference, proximal)
+    plan.publish(trains, scored_gate)
+    return StepPlan(tuple(plan.tasks), {name: plan.stages[name] for name in step_stages(cfg)})
 
-    # train.reference_pass = fused: the train tasks run the reference pass (tasks.train_task).
-    fused = "reference" in inside
-    if "reference" not in step_stages(cfg):
-        reference = ()  # kl_beta 0: no pass; the train tasks read zeros for ref_logp
-    elif "reference" in done:
-        reference = skip("reference")
-    elif fused:
-        reference = ()
-    else:
-        # A task that marks its own stage waits for the rollout's mark (reward.in_rollout: the
-        # gate's), so a resumed step never holds a pass over rows it then generates again.
-        reference = add_ranked("reference", [(tasks.reference_task, (cfg, ref, *rollout, *scored_gate, *prev_train),
-                                              dict(key=f"reference-{ref.step}-{r}-{tok}", **train_pin[r]))
-                                             for r in range(world)])
 
-    proximal: tuple[Future, ...] = ()
-    if "proximal" in step_stages(cfg):
-        if "proximal" in done:
-            proximal = skip("proximal")
-        else:  # the trainer's current weights: after the previous step's train, before this one's
-            proximal = add_ranked("proximal", [(tasks.proximal_task, (cfg, ref, *rollout, *scored_gate, *reference,
-                                                                      *own(r, "reference"), *prev_train),
-                                                dict(key=f"proximal-{ref.step}-{r}-{tok}", **train_pin[r]))
-                                               for r in range(world)])
+def submit_plan(client: Client, plan: StepPlan) -> dict[str, StageFutures]:
+    """Submit a plan's tasks in order; returns its stages with their futures."""
+    futures: dict[str, Future] = {}
 
-    if "train" in done:  # every rank's shard of the new version is on disk already
-        trains: tuple[Future, ...] = ()
-    else:
-        trains = tuple(client.submit(tasks.train_task, cfg, ref, folder, new_version, fused, *rollout, *advantage,
-                                     *reference, *proximal, *own(r, "reference", "proximal"), *prev_train,
-                                     key=f"train-{ref.step}-{r}-{tok}", **train_pin[r])
-                       for r in range(world))
-        if fused:
-            stages["reference"] = StageFutures("reference", trains, inside="train")
-    # Publish always runs: it is idempotent, and a step whose publish is complete is not rerun. It
-    # marks train complete first (with the ranks' results), so no gate task stands between them.
-    publish = client.submit(tasks.run_and_mark, tasks.publish_task, ref, "publish",
-                            {"next_policy_version": new_version}, folder, ref, new_version, policy_arg,
-                            cfg.train.pipeline_model_parallel_size, {"trainer_version": ref.step} if trains else None,
-                            trains, *scored_gate, key=f"publish-{ref.step}-{tok}", **io)
-    stages["train"] = StageFutures("train", trains, publish, marked_by_next=True) if trains else StageFutures("train")
-    stages["publish"] = StageFutures("publish", (publish,), publish)
-    return {name: stages[name] for name in step_stages(cfg)}
+    def resolve(x):
+        if isinstance(x, Dep):
+            return futures[x.key]
+        if type(x) in (tuple, list):  # exactly: a NamedTuple (StepRef) is an argument, not a container
+            return type(x)(resolve(v) for v in x)
+        return x
+
+    for t in plan.tasks:
+        futures[t.key] = client.submit(t.fn, *resolve(t.args), **t.options)
+
+    def handles(stage: StageFutures) -> StageFutures:
+        return replace(stage, work=tuple(futures[d.key] for d in stage.work),
+                       gate=None if stage.gate is None else futures[stage.gate.key])
+
+    return {name: handles(stage) for name, stage in plan.stages.items()}
 
 
 @dataclass
@@ -412,7 +513,8 @@ def submit_iteration(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunF
         done = set()
     ref = store.ref(step)
     start = time.perf_counter()
-    stages = _submit(client, cfg, pools, folder, ref, policy, done, prev_train, attempt)
+    plan = plan_step(cfg, pools, folder, ref, store.layout(step), policy, done, prev_train, attempt)
+    stages = submit_plan(client, plan)
     done_at: dict[str, float] = {}
     for s in stages.values():
         for f in s.futures:

@@ -211,7 +211,9 @@ class Dep:
 @dataclass(frozen=True)
 class Task:
     """One task of a step's plan: ``client.submit(fn, *args, **options)``, each :class:`Dep` among
-    ``args`` (or in a tuple or list there) replaced by the future of that task."""
+    ``args`` (or in a tuple or list there) replaced by the future of that task. ``options`` are what
+    ``client.submit`` takes: Dask's (key, workers, resources, retries, ...) and the function's own
+    keywords (``attrs``, ``rollout``), which never hold a :class:`Dep`."""
 
     fn: Callable
     args: tuple

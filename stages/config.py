@@ -14,7 +14,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import Optional, Union
 
 from stages.layout import SCHEDULES, ModelShape, ParallelLayout, attention_bias_of, layer_split_error
 from stages.train.schedule import LR_SCHEDULES
@@ -340,20 +340,20 @@ class OffPolicyConfig:
     decoupled: bool = False
     """Decoupled PPO (Hilton et al. 2021; AReaL): clip r = pi_theta / pi_prox and weight each token
     by w = pi_prox / pi_behav (target channel prox_logp). False: clip pi_theta / pi_behav, w = 1."""
-    proximal: Literal["current", "pass"] = "current"
+    proximal: str = "current"
     """Where pi_prox comes from. current: the trainer's weights at the start of the step, which are
     the weights its own forward runs with (one optimiser update per step), so pi_prox is that
     forward's log-prob, detached: no extra pass. pass: a forward-only ``proximal`` stage writes
     prox_logp to the store before train (the same values up to float rounding; a cross-check, and
     the form a multi-update step would need)."""
-    is_level: Literal["token", "sequence", "geometric"] = "token"
+    is_level: str = "token"
     """token: w_t = exp(prox_t - behav_t). sequence: every token of sample i takes
     exp(sum_t (prox_t - behav_t)), the sequence likelihood ratio, unbiased but with a variance
     growing with length. geometric: exp(mean_t (prox_t - behav_t)), its per-token geometric mean,
     length-independent (GSPO, Zheng et al. 2025). The levels follow verl's rollout importance
     sampling (token / sequence / geometric; Yao et al. 2025, "Your efficient RL framework secretly
     brings you off-policy RL training"; Liu et al. 2025, "When speed kills stability")."""
-    is_mode: Literal["none", "truncate", "mask"] = "truncate"
+    is_mode: str = "truncate"
     """none: w as is. truncate (TIS): min(w, is_cap). mask (MIS): tokens, or at the sequence levels
     whole sequences, with w > is_cap get weight 0 (dropped from the surrogate; KL stays)."""
     is_cap: float = 2.0

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from stages.config import (AdvantageConfig, ConfigError, ModelConfig, RewardConfig, RolloutConfig, TaskConfig,
-                           TrainConfig, WarmupConfig)
+                           TrainConfig, WarmupConfig, require)
 from stages.data import DatasetConfig, DatasetError
 from stages.eval import EvalConfig
 from stages.layout import ModelShape, balanced_layer_split, layer_split_error, parallel_layout_error, shape_from_hf
@@ -52,11 +52,6 @@ def _is_host(value: str) -> bool:
         return ipaddress.ip_address(value).version == 4
     except ValueError:
         return bool(value) and all(part and part.replace("-", "").isalnum() for part in value.split("."))
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -116,25 +111,25 @@ class ClusterConfig:
     send (the engine only combines the ranks' digests into the version's content hash) or none."""
 
     def __post_init__(self) -> None:
-        _require(self.colocated is None,
+        require(self.colocated is None,
                  f"cluster.colocated={self.colocated} is replaced: set cluster.placement="
                  f"{'colocated' if self.colocated else 'decoupled'} instead")
-        _require(self.placement in PLACEMENTS,
+        require(self.placement in PLACEMENTS,
                  f"cluster.placement={self.placement!r} is not one of {', '.join(PLACEMENTS)}")
-        _require(self.rollout_threads >= 0, f"cluster.rollout_threads={self.rollout_threads} must be >= 0 (0: auto)")
-        _require(self.train_threads >= 0, f"cluster.train_threads={self.train_threads} must be >= 0 (0: auto)")
-        _require(self.num_plain_workers >= 0, "cluster.num_plain_workers must be >= 0")
-        _require(_is_host(self.listen),
+        require(self.rollout_threads >= 0, f"cluster.rollout_threads={self.rollout_threads} must be >= 0 (0: auto)")
+        require(self.train_threads >= 0, f"cluster.train_threads={self.train_threads} must be >= 0 (0: auto)")
+        require(self.num_plain_workers >= 0, "cluster.num_plain_workers must be >= 0")
+        require(_is_host(self.listen),
                  f"cluster.listen={self.listen!r} must be an IPv4 address or host name without a port "
                  "(127.0.0.1: this machine only)")
         for key in ("iteration_timeout_s", "worker_wait_s", "worker_silence_s", "weight_sync_timeout_s"):
             value = getattr(self, key)
-            _require(math.isfinite(value) and value > 0, f"cluster.{key}={value} must be a finite number > 0 "
+            require(math.isfinite(value) and value > 0, f"cluster.{key}={value} must be a finite number > 0 "
                      "(every wait of the run has a limit)")
-        _require(self.max_restarts >= 0, "cluster.max_restarts must be >= 0 (0: a lost training worker fails the run)")
-        _require(self.weight_sync in WEIGHT_SYNCS,
+        require(self.max_restarts >= 0, "cluster.max_restarts must be >= 0 (0: a lost training worker fails the run)")
+        require(self.weight_sync in WEIGHT_SYNCS,
                  f"cluster.weight_sync={self.weight_sync!r} is not one of {', '.join(WEIGHT_SYNCS)}")
-        _require(self.weight_sync_content_hash in CONTENT_HASHES,
+        require(self.weight_sync_content_hash in CONTENT_HASHES,
                  f"cluster.weight_sync_content_hash={self.weight_sync_content_hash!r} is not one of "
                  f"{', '.join(CONTENT_HASHES)}")
 
@@ -159,9 +154,9 @@ class MlflowConfig:
     """Groups of decoded samples (prompt, completion, reward, advantage) in each step's table; 0: none."""
 
     def __post_init__(self) -> None:
-        _require(self.plot_every_steps >= 1, "mlflow.plot_every_steps must be >= 1")
-        _require(self.plot_min_interval_s >= 0, "mlflow.plot_min_interval_s must be >= 0")
-        _require(self.sample_groups >= 0, "mlflow.sample_groups must be >= 0")
+        require(self.plot_every_steps >= 1, "mlflow.plot_every_steps must be >= 1")
+        require(self.plot_min_interval_s >= 0, "mlflow.plot_min_interval_s must be >= 0")
+        require(self.sample_groups >= 0, "mlflow.sample_groups must be >= 0")
 
 
 def resolve_reference_parallel(train: TrainConfig, shape: ModelShape | None) -> str:
@@ -207,19 +202,19 @@ class GRPOConfig:
     them). The run ignores this section, so `grpoflow plan` can read the run's own config."""
 
     def __post_init__(self) -> None:
-        _require(self.iterations >= 1, "iterations must be >= 1")
-        _require(
+        require(self.iterations >= 1, "iterations must be >= 1")
+        require(
             self.run_name and all(c.isalnum() or c in "-_." for c in self.run_name),
             f"run_name={self.run_name!r} may hold only letters, digits, '-', '_' and '.'",
         )
         # '.' and '..' would put the run into runs_dir itself or its parent; '_cache' and '_eval'
         # are runs_dir's shared folders (storage/run_folder.py, grpoflow eval).
-        _require(not self.run_name.startswith(".") and self.run_name not in ("_cache", "_eval"),
+        require(not self.run_name.startswith(".") and self.run_name not in ("_cache", "_eval"),
                  f"run_name={self.run_name!r} may not start with '.' nor be _cache or _eval (folders of runs_dir)")
-        _require(self.reward.overlong_buffer < self.rollout.max_new_tokens,
+        require(self.reward.overlong_buffer < self.rollout.max_new_tokens,
                  f"reward.overlong_buffer={self.reward.overlong_buffer} must be below rollout.max_new_tokens="
                  f"{self.rollout.max_new_tokens} (the ramp ends at max_new_tokens)")
-        _require(self.reward.in_rollout or not self.rollout.dynamic_sampling,
+        require(self.reward.in_rollout or not self.rollout.dynamic_sampling,
                  "rollout.dynamic_sampling replaces groups the engines score themselves: set reward.in_rollout=true")
         self._check_dataset()
         self._check_parallel_layout()
@@ -229,17 +224,17 @@ class GRPOConfig:
         """The embedded cluster's colocated engines are training workers: no more than there are
         (a cluster of one's own, cluster.scheduler_address, may offer the rollout resource elsewhere)."""
         world, engines = self.train.world_size, self.rollout.num_engines
-        _require(self.cluster.scheduler_address or not self.cluster.colocated_pools or engines <= world,
+        require(self.cluster.scheduler_address or not self.cluster.colocated_pools or engines <= world,
                  f"rollout.num_engines={engines} exceeds the {world} training workers that hold the engines with "
                  f"cluster.placement=colocated: set rollout.num_engines <= {world} or cluster.placement=decoupled")
 
     def _check_dataset(self) -> None:
         d = self.dataset
         if d.kind != "addition":
-            _require(self.model.path is not None,
+            require(self.model.path is not None,
                      f"dataset.kind={d.kind} needs model.path (an HF model folder with its tokenizer): the "
                      "built-in tiny model only knows the addition task")
-            _require(d.max_prompt_tokens is not None,
+            require(d.max_prompt_tokens is not None,
                      f"dataset.kind={d.kind} needs dataset.max_prompt_tokens: it is the step layout's prompt "
                      "width (prompts are tokenised on the workers, after the layout is fixed)")
 
@@ -304,7 +299,7 @@ class GRPOConfig:
         """Batch split, tensor split and schedule constraints, each in one line naming the key."""
         t = self.train
         dp, tp = t.data_parallel_size, t.tensor_model_parallel_size
-        _require(self.task.prompts_per_step % dp == 0,
+        require(self.task.prompts_per_step % dp == 0,
                  f"train.data_parallel_size={dp} must divide task.prompts_per_step={self.task.prompts_per_step} "
                  "(each data-parallel rank takes whole groups)")
         try:
@@ -315,12 +310,12 @@ class GRPOConfig:
         error = parallel_layout_error(self.model_shape, tp=tp, pp=t.pipeline_model_parallel_size,
                                       virtual=t.virtual_pipeline_model_parallel_size, schedule=t.schedule,
                                       num_microbatches=self.num_microbatches)
-        _require(error is None, error or "")
+        require(error is None, error or "")
         if t.layer_split != "auto":
             error = layer_split_error(t.layer_split, self.model_shape.num_hidden_layers,
                                       t.pipeline_model_parallel_size * t.virtual_pipeline_model_parallel_size)
-            _require(error is None, error or "")
-        _require(t.reference_parallel != "data" or tp == 1,
+            require(error is None, error or "")
+        require(t.reference_parallel != "data" or tp == 1,
                  f"train.reference_parallel=data holds the whole reference on every rank; with "
                  f"train.tensor_model_parallel_size={tp} set train.reference_parallel=pipeline")
 

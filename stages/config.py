@@ -21,6 +21,7 @@ from stages.train.schedule import LR_SCHEDULES
 
 __all__ = [
     "ConfigError",
+    "require",
     "TaskConfig",
     "ModelConfig",
     "WarmupConfig",
@@ -44,7 +45,8 @@ class ConfigError(ValueError):
     """A configuration value is wrong; the message names the key and the fix."""
 
 
-def _require(ok: bool, message: str) -> None:
+def require(ok: bool, message: str) -> None:
+    """Raise :class:`ConfigError` with ``message`` unless ``ok``: every config section's checks."""
     if not ok:
         raise ConfigError(message)
 
@@ -53,11 +55,11 @@ def _in_range(key: str, value: float, low: float = 0.0, low_ok: bool = True) -> 
     """``value`` finite and >= ``low`` (> ``low`` without ``low_ok``): an inf timeout would cancel
     every wait's limit, a NaN or inf rate trains non-finite weights."""
     ok = math.isfinite(value) and (value >= low if low_ok else value > low)
-    _require(ok, f"{key}={value} must be a finite number {'>=' if low_ok else '>'} {low:g}")
+    require(ok, f"{key}={value} must be a finite number {'>=' if low_ok else '>'} {low:g}")
 
 
 def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
-    _require(value in allowed, f"{key}={value!r} is not one of {', '.join(allowed)}")
+    require(value in allowed, f"{key}={value!r} is not one of {', '.join(allowed)}")
 
 
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -81,7 +83,7 @@ class TaskConfig:
     ``rollout.group_size`` completions."""
 
     def __post_init__(self) -> None:
-        _require(self.prompts_per_step >= 1, "task.prompts_per_step must be >= 1")
+        require(self.prompts_per_step >= 1, "task.prompts_per_step must be >= 1")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -118,7 +120,7 @@ class ModelConfig:
                               f"{folder / 'config.json'} sets the model: {sizes}."}
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             self.hidden_size % max(self.num_attention_heads, 1) == 0,
             f"model.hidden_size={self.hidden_size} must be divisible by "
             f"model.num_attention_heads={self.num_attention_heads}",
@@ -147,8 +149,8 @@ class WarmupConfig:
     lr: float = 3e-3
 
     def __post_init__(self) -> None:
-        _require(self.steps >= 0, f"warmup.steps={self.steps} must be >= 0")
-        _require(self.batch_size >= 1, f"warmup.batch_size={self.batch_size} must be >= 1")
+        require(self.steps >= 0, f"warmup.steps={self.steps} must be >= 0")
+        require(self.batch_size >= 1, f"warmup.batch_size={self.batch_size} must be >= 1")
         _in_range("warmup.lr", self.lr, low_ok=False)
 
 
@@ -237,33 +239,33 @@ class RolloutConfig:
     is stopped and the task fails; a server that died is started again once per call."""
 
     def __post_init__(self) -> None:
-        _require(self.group_size >= 2, "rollout.group_size must be >= 2 (a group needs a spread)")
-        _require(self.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
-        _require(self.temperature > 0, "rollout.temperature must be > 0")
-        _require(0 < self.top_p <= 1, "rollout.top_p must be in (0, 1]")
-        _require(self.top_k >= 0, "rollout.top_k must be >= 0 (0: off)")
-        _require(self.num_engines >= 1, "rollout.num_engines must be >= 1")
-        _require(self.page_size >= 1, "rollout.page_size must be >= 1")
-        _require(self.max_num_seqs >= self.group_size,
+        require(self.group_size >= 2, "rollout.group_size must be >= 2 (a group needs a spread)")
+        require(self.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
+        require(self.temperature > 0, "rollout.temperature must be > 0")
+        require(0 < self.top_p <= 1, "rollout.top_p must be in (0, 1]")
+        require(self.top_k >= 0, "rollout.top_k must be >= 0 (0: off)")
+        require(self.num_engines >= 1, "rollout.num_engines must be >= 1")
+        require(self.page_size >= 1, "rollout.page_size must be >= 1")
+        require(self.max_num_seqs >= self.group_size,
                  f"rollout.max_num_seqs={self.max_num_seqs} must be >= rollout.group_size={self.group_size}: "
                  "a group is admitted whole")
-        _require(self.draft_layers >= 0, f"rollout.draft_layers={self.draft_layers} must be >= 0 (0: no draft)")
-        _require(not (self.draft_layers and self.draft_path),
+        require(self.draft_layers >= 0, f"rollout.draft_layers={self.draft_layers} must be >= 0 (0: no draft)")
+        require(not (self.draft_layers and self.draft_path),
                  "rollout.draft_layers and rollout.draft_path both set: the draft is one or the other")
-        _require(self.draft_tokens >= 1, f"rollout.draft_tokens={self.draft_tokens} must be >= 1")
-        _require(self.dynamic_sampling_rounds >= 1,
+        require(self.draft_tokens >= 1, f"rollout.draft_tokens={self.draft_tokens} must be >= 1")
+        require(self.dynamic_sampling_rounds >= 1,
                  f"rollout.dynamic_sampling_rounds={self.dynamic_sampling_rounds} must be >= 1")
-        _require(self.max_staleness >= 0, f"rollout.max_staleness={self.max_staleness} must be >= 0 (0: synchronous)")
-        _require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
+        require(self.max_staleness >= 0, f"rollout.max_staleness={self.max_staleness} must be >= 0 (0: synchronous)")
+        require(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
                  f"rollout.device={self.device!r} must be auto, cpu, cuda or cuda:N")
         _one_of("rollout.dtype", self.dtype, ROLLOUT_DTYPES)
         _one_of("rollout.engine", self.engine, ROLLOUT_ENGINES)
-        _require(all(isinstance(s, str) and s for s in self.stop),
+        require(all(isinstance(s, str) and s for s in self.stop),
                  f"rollout.stop={self.stop!r}: each stop string must be a non-empty string")
-        _require(self.engine == "native" or not (self.draft_layers or self.draft_path),
+        require(self.engine == "native" or not (self.draft_layers or self.draft_path),
                  "rollout.draft_layers / draft_path need rollout.engine=native: vLLM's own speculative decoding "
                  "is not wired")
-        _require(self.vllm_kv_cache_bytes >= 0, f"rollout.vllm_kv_cache_bytes={self.vllm_kv_cache_bytes} must be >= 0 "
+        require(self.vllm_kv_cache_bytes >= 0, f"rollout.vllm_kv_cache_bytes={self.vllm_kv_cache_bytes} must be >= 0 "
                  "(0: sized from the step)")
         _in_range("rollout.vllm_timeout_s", self.vllm_timeout_s, low_ok=False)
 
@@ -303,13 +305,13 @@ class RewardConfig:
     def __post_init__(self) -> None:
         from stages.reward import RewardFunctionError, check_reward_functions
 
-        _require(len(self.functions) >= 1, "reward.functions is empty: name at least one reward, e.g. [exact_match]")
-        _require(self.num_tasks >= 1, "reward.num_tasks must be >= 1")
-        _require(self.overlong_buffer >= 0, f"reward.overlong_buffer={self.overlong_buffer} must be >= 0 (0: off)")
+        require(len(self.functions) >= 1, "reward.functions is empty: name at least one reward, e.g. [exact_match]")
+        require(self.num_tasks >= 1, "reward.num_tasks must be >= 1")
+        require(self.overlong_buffer >= 0, f"reward.overlong_buffer={self.overlong_buffer} must be >= 0 (0: off)")
         _in_range("reward.overlong_penalty", self.overlong_penalty)
-        _require(self.max_failed_steps >= 0, f"reward.max_failed_steps={self.max_failed_steps} must be >= 0 (0: never stop)")
+        require(self.max_failed_steps >= 0, f"reward.max_failed_steps={self.max_failed_steps} must be >= 0 (0: never stop)")
         _in_range("reward.timeout_s", self.timeout_s, low_ok=False)
-        _require(self.memory_limit_bytes is None or self.memory_limit_bytes >= 1 << 24,
+        require(self.memory_limit_bytes is None or self.memory_limit_bytes >= 1 << 24,
                  f"reward.memory_limit_bytes={self.memory_limit_bytes} must be >= 16 MiB (or unset)")
         try:
             check_reward_functions(self.functions)
@@ -545,9 +547,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _one_of("train.schedule", self.schedule, SCHEDULES)
         _one_of("train.keep_optimizer_state", self.keep_optimizer_state, KEEP_OPTIMIZER_STATE)
-        _require(self.keep_versions is None or self.keep_versions >= 1,
+        require(self.keep_versions is None or self.keep_versions >= 1,
                  f"train.keep_versions={self.keep_versions} must be >= 1 (or null to keep every version)")
-        _require(self.keep_every >= 0, f"train.keep_every={self.keep_every} must be >= 0 (0: no periodic versions)")
+        require(self.keep_every >= 0, f"train.keep_every={self.keep_every} must be >= 0 (0: no periodic versions)")
         _one_of("train.loss_aggregation", self.loss_aggregation, LOSS_AGGREGATIONS)
         _one_of("train.policy_ratio", self.policy_ratio, POLICY_RATIOS)
         _one_of("train.reference", self.reference, REFERENCE_COMPUTE)
@@ -558,13 +560,13 @@ class TrainConfig:
         _one_of("train.dtype", self.dtype, TRAIN_DTYPES)
         for key in ("pipeline_model_parallel_size", "tensor_model_parallel_size", "data_parallel_size",
                     "virtual_pipeline_model_parallel_size", "micro_batch_size"):
-            _require(getattr(self, key) >= 1, f"train.{key}={getattr(self, key)} must be >= 1")
+            require(getattr(self, key) >= 1, f"train.{key}={getattr(self, key)} must be >= 1")
         if self.layer_split != "auto":  # the sum is checked against the model (GRPOConfig)
-            _require(isinstance(self.layer_split, (list, tuple)),
+            require(isinstance(self.layer_split, (list, tuple)),
                      f"train.layer_split={self.layer_split!r} must be auto or a list of layers per stage")
             split_error = layer_split_error(self.layer_split, None, self.pipeline_model_parallel_size
                                             * self.virtual_pipeline_model_parallel_size)
-            _require(split_error is None, split_error or "")
+            require(split_error is None, split_error or "")
         _in_range("train.timeout_s", self.timeout_s, low_ok=False)
         if self.lr != "auto":  # "1e-5" on a command line is a string to YAML, "1" an int
             try:
@@ -574,37 +576,37 @@ class TrainConfig:
         if self.lr != "auto":
             _in_range("train.lr", self.lr, low_ok=False)
         _one_of("train.lr_schedule", self.lr_schedule, LR_SCHEDULES)
-        _require(self.lr_warmup_steps >= 0,
+        require(self.lr_warmup_steps >= 0,
                  f"train.lr_warmup_steps={self.lr_warmup_steps} must be >= 0 (0: no warm-up)")
-        _require(self.lr_decay_steps is None or self.lr_decay_steps >= 1,
+        require(self.lr_decay_steps is None or self.lr_decay_steps >= 1,
                  f"train.lr_decay_steps={self.lr_decay_steps} must be >= 1 (or unset: iterations - lr_warmup_steps)")
-        _require(math.isfinite(self.lr_min_ratio) and 0 <= self.lr_min_ratio <= 1,
+        require(math.isfinite(self.lr_min_ratio) and 0 <= self.lr_min_ratio <= 1,
                  f"train.lr_min_ratio={self.lr_min_ratio} must be in [0, 1] (a fraction of train.lr)")
-        _require(self.lr_schedule != "constant" or (self.lr_decay_steps is None and self.lr_min_ratio == 0),
+        require(self.lr_schedule != "constant" or (self.lr_decay_steps is None and self.lr_min_ratio == 0),
                  "train.lr_decay_steps / train.lr_min_ratio are set but train.lr_schedule=constant does not decay: "
                  "set train.lr_schedule=linear or cosine, or unset them")
         for key in ("weight_decay", "max_grad_norm", "kl_beta"):
             _in_range(f"train.{key}", getattr(self, key))
         for key in ("max_tokens_per_microbatch", "pack_row_tokens"):
             value = getattr(self, key)
-            _require(value is None or value >= 1, f"train.{key}={value} must be >= 1 (or unset)")
+            require(value is None or value >= 1, f"train.{key}={value} must be >= 1 (or unset)")
         chunk, buckets = self.logprob_chunk_tokens, self.length_buckets
-        _require(chunk in (None, "auto") or (isinstance(chunk, int) and chunk >= 1),
+        require(chunk in (None, "auto") or (isinstance(chunk, int) and chunk >= 1),
                  f"train.logprob_chunk_tokens={chunk} must be >= 1, auto or unset")
-        _require(buckets in (None, "auto") or (isinstance(buckets, (list, tuple)) and len(buckets) >= 1
+        require(buckets in (None, "auto") or (isinstance(buckets, (list, tuple)) and len(buckets) >= 1
                                                and all(isinstance(w, int) and w >= 2 for w in buckets)),
                  f"train.length_buckets={buckets} must list row widths >= 2, or be auto or unset")
-        _require(self.packing in (True, False, "auto"), f"train.packing={self.packing!r} must be true, false or auto")
-        _require(self.max_microbatches_per_pass is None or self.max_microbatches_per_pass >= 1,
+        require(self.packing in (True, False, "auto"), f"train.packing={self.packing!r} must be true, false or auto")
+        require(self.max_microbatches_per_pass is None or self.max_microbatches_per_pass >= 1,
                  f"train.max_microbatches_per_pass={self.max_microbatches_per_pass} must be >= 1 (or unset)")
-        _require(not isinstance(buckets, (list, tuple)) or self.pack_row_tokens is None,
+        require(not isinstance(buckets, (list, tuple)) or self.pack_row_tokens is None,
                  "train.pack_row_tokens is set with train.length_buckets: packed rows take the bucket widths; "
                  "unset one of them")
-        _require(self.packing is not False or self.pack_row_tokens is None,
+        require(self.packing is not False or self.pack_row_tokens is None,
                  f"train.pack_row_tokens={self.pack_row_tokens} is set but train.packing=false: "
                  "set train.packing=true or unset it")
-        _require(0 <= self.clip_eps_low < 1, "train.clip_eps_low must be in [0, 1)")
-        _require(self.clip_eps_high >= 0, "train.clip_eps_high must be >= 0")
+        require(0 <= self.clip_eps_low < 1, "train.clip_eps_low must be in [0, 1)")
+        require(self.clip_eps_high >= 0, "train.clip_eps_high must be >= 0")
 
     @property
     def uses_reference(self) -> bool:

@@ -6,16 +6,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from stages.config import ConfigError
+from stages.config import ConfigError, require
 
 __all__ = ["ANSWER_FORMATS", "EvalConfig"]
 
 ANSWER_FORMATS = ("last_number", "boxed")
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -53,21 +48,21 @@ class EvalConfig:
     """Seed of the sampled completions (with the version): a version's evaluation is reproducible."""
 
     def __post_init__(self) -> None:
-        _require(self.num_prompts is None or self.num_prompts >= 1, "eval.num_prompts must be >= 1 (unset: all)")
-        _require(self.every_steps >= 0, "eval.every_steps must be >= 0 (0: the base and the last version)")
-        _require(self.num_samples >= 0, "eval.num_samples must be >= 0")
-        _require(self.path is None or self.greedy or self.num_samples > 0,
+        require(self.num_prompts is None or self.num_prompts >= 1, "eval.num_prompts must be >= 1 (unset: all)")
+        require(self.every_steps >= 0, "eval.every_steps must be >= 0 (0: the base and the last version)")
+        require(self.num_samples >= 0, "eval.num_samples must be >= 0")
+        require(self.path is None or self.greedy or self.num_samples > 0,
                  "eval: set eval.greedy=true or eval.num_samples >= 1, or unset eval.path")
-        _require(all(1 <= k <= max(self.num_samples, 1) for k in self.ks) and (self.num_samples or self.ks == [1]),
+        require(all(1 <= k <= max(self.num_samples, 1) for k in self.ks) and (self.num_samples or self.ks == [1]),
                  f"eval.ks={list(self.ks)}: each k must be in [1, eval.num_samples={self.num_samples}]")
-        _require(self.max_new_tokens is None or self.max_new_tokens >= 1, "eval.max_new_tokens must be >= 1")
-        _require(self.answer_format in ANSWER_FORMATS,
+        require(self.max_new_tokens is None or self.max_new_tokens >= 1, "eval.max_new_tokens must be >= 1")
+        require(self.answer_format in ANSWER_FORMATS,
                  f"eval.answer_format={self.answer_format!r} is not one of {', '.join(ANSWER_FORMATS)}")
-        _require(math.isfinite(self.correct_reward), f"eval.correct_reward={self.correct_reward} must be finite")
+        require(math.isfinite(self.correct_reward), f"eval.correct_reward={self.correct_reward} must be finite")
         if self.functions is not None:  # found now, not after the training the run does first
             from stages.reward import RewardFunctionError, check_reward_functions
 
-            _require(len(self.functions) >= 1, "eval.functions is empty: name a reward, or unset it (reward.functions)")
+            require(len(self.functions) >= 1, "eval.functions is empty: name a reward, or unset it (reward.functions)")
             try:
                 check_reward_functions(self.functions)
             except RewardFunctionError as exc:

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from storage.model_folder import ModelFolderError, iter_tensors, load_hf_config, read_tokenizer_files, tensor_shapes
+from storage.model_folder import ModelFolderError, iter_tensors, load_hf_config, tensor_shapes, tokenizer_file_names
 from flows.config import ConfigError, GRPOConfig, config_to_dict
 
 __all__ = ["SAFE_TO_CHANGE", "PreflightError", "config_differences", "check_model_folder", "check_draft_folder",
@@ -80,7 +80,7 @@ def check_model_folder(path: str | Path) -> None:
         model_cfg = DecoderConfig.from_hf(hf)
     except Exception as exc:  # unsupported model_type, missing or inconsistent sizes
         raise _model_error(path, f"config.json: {str(exc).strip().splitlines()[0] or type(exc).__name__}") from None
-    if "tokenizer.json" not in read_tokenizer_files(path):
+    if not tokenizer_file_names(path, ("tokenizer.json",)):
         raise _model_error(path, "no tokenizer.json (save the tokenizer with save_pretrained into the folder)")
     try:
         shapes = tensor_shapes(path)

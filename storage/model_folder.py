@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
-__all__ = ["ModelFolderError", "TOKENIZER_FILES", "load_hf_config", "read_tokenizer_files", "weight_files",
+__all__ = ["ModelFolderError", "TOKENIZER_FILES", "load_hf_config", "tokenizer_file_names", "read_tokenizer_files", "weight_files",
            "tensor_shapes", "iter_tensors"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
@@ -47,11 +47,16 @@ def load_hf_config(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def read_tokenizer_files(path: str | Path) -> dict[str, bytes]:
-    """The bytes of each of :data:`TOKENIZER_FILES` the folder ``path`` holds, by name (an absent file
-    is absent from the dict)."""
-    folder = Path(path)
-    return {name: (folder / name).read_bytes() for name in TOKENIZER_FILES if (folder / name).is_file()}
+def tokenizer_file_names(path: str | Path, names: tuple[str, ...] = TOKENIZER_FILES) -> tuple[str, ...]:
+    """Those of ``names`` (default :data:`TOKENIZER_FILES`) that the folder ``path`` holds, without
+    reading them."""
+    return tuple(name for name in names if (Path(path) / name).is_file())
+
+
+def read_tokenizer_files(path: str | Path, names: tuple[str, ...] = TOKENIZER_FILES) -> dict[str, bytes]:
+    """The bytes of each of ``names`` (default :data:`TOKENIZER_FILES`) the folder ``path`` holds, by
+    name (an absent file is absent from the dict)."""
+    return {name: (Path(path) / name).read_bytes() for name in tokenizer_file_names(path, names)}
 
 
 def weight_files(path: str | Path) -> list[str]:

@@ -347,7 +347,7 @@ def load_model_folder(path: str | Path, names: set[str] | None = None) -> tuple[
     path = Path(path)
     try:
         hf_config = json.loads((path / "config.json").read_text())
-        tokenizer_json = read_tokenizer_files(path).get("tokenizer.json", b"").decode()
+        tokenizer_json = read_tokenizer_files(path, ("tokenizer.json",)).get("tokenizer.json", b"").decode()
         tensors: dict[str, torch.Tensor] = {}
         for f in weight_files(path):
             if names is None:

@@ -30,27 +30,26 @@ from tokenizers import Tokenizer
 from storage.files import file_stamp
 from storage.model_folder import TOKENIZER_FILES, read_tokenizer_files
 
-__all__ = ["CODEC_FILES", "Prompt", "TextCodec", "TokenizerFolderError", "codec_files_digest", "codec_files_stamp",
+__all__ = ["Prompt", "TextCodec", "TokenizerFolderError", "codec_files_digest", "codec_files_stamp",
            "render_chat_template"]
 
-CODEC_FILES = TOKENIZER_FILES
-"""Every file of a policy folder that :meth:`TextCodec.from_policy_folder` may read."""
 Prompt = Union[str, Sequence[Mapping[str, str]]]
 """A user prompt's text, or chat messages ({"role", "content"}) ending in a user turn."""
 
 
 def codec_files_stamp(path: str | Path) -> tuple:
-    """:func:`~storage.files.file_stamp` of each of :data:`CODEC_FILES` in ``path``: equal stamps mean
-    files not rewritten since, for a cache in front of :func:`codec_files_digest`."""
-    return tuple(file_stamp(Path(path) / name) for name in CODEC_FILES)
+    """:func:`~storage.files.file_stamp` of each of :data:`~storage.model_folder.TOKENIZER_FILES` in
+    ``path``: equal stamps mean files not rewritten since, for a cache in front of
+    :func:`codec_files_digest`."""
+    return tuple(file_stamp(Path(path) / name) for name in TOKENIZER_FILES)
 
 
 def codec_files_digest(path: str | Path) -> str:
-    """A digest of the bytes of :data:`CODEC_FILES` in ``path`` (an absent file counts as absent):
-    two folders with equal digests give the same :class:`TextCodec`."""
+    """A digest of the bytes of :data:`~storage.model_folder.TOKENIZER_FILES` in ``path`` (an absent
+    file counts as absent): two folders with equal digests give the same :class:`TextCodec`."""
     h = hashlib.blake2b(digest_size=16)
     files = read_tokenizer_files(path)
-    for name in CODEC_FILES:
+    for name in TOKENIZER_FILES:
         data = files.get(name)
         h.update(name.encode() + (b"\0absent" if data is None else b"\0%d\0" % len(data) + data))
     return h.hexdigest()

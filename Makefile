@@ -53,8 +53,8 @@ run: $(STAMP)
 	$(BIN)/grpoflow run $(CONFIG)
 
 # The test files run on TEST_WORKERS processes (pytest-xdist), whole files to one process so that a
-# module's fixtures run once. On the 2-core CI machine two take 12.3 min against 21.5 for one: most
-# of a test's time is process start-up and waiting on other processes, not two busy cores.
+# module's fixtures run once. On the 2-core box a clean clone's make test took 12.1 min with two
+# against 21.5 with one: most of a test's time is process start-up and waiting on other processes.
 TEST_WORKERS ?= 2
 test: setup
 	$(BIN)/python -m pytest -q -x --durations=15 -m "not system" -n $(TEST_WORKERS) --dist loadfile

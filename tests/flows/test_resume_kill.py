@@ -84,8 +84,10 @@ def _kill_when(proc: subprocess.Popen, run: Path, step: int, stage: str, rng: ra
         assert proc.poll() is None, f"the driver ended before step {step} {stage}: {proc.stderr.read().decode()[-2000:]}"
         assert time.time() < deadline, f"step {step} {stage} never marked"
         time.sleep(0.02)
-    if jitter:
-        time.sleep(rng.uniform(0.0, 1.5))
+    if jitter:  # a random point inside the stages after it, no later than publish (which marks train)
+        until = time.time() + rng.uniform(0.0, 1.5)
+        while time.time() < until and "train" not in _marks(run, step) and proc.poll() is None:
+            time.sleep(0.02)
     # A mark written before this driver started (an earlier driver's last tasks, or a step that ran
     # while the previous step's lineage was still being written) must not kill it before it has
     # workers: their exit is what the orphan check is about.

@@ -46,6 +46,8 @@ from distributed import Client, Future, wait
 from flows import tasks, weight_sync
 from flows.cluster import Pools, lost_workers, worker_addresses
 from flows.config import GRPOConfig, config_hash
+from flows.results import (ProximalResult, ReferenceResult, RolloutResult, ScoreResult, TaskResult, TrainResult,
+                           result_of_stage)
 from stages.config import effective_off_policy
 from stages.reward import merge_function_stats
 from storage.policies import PolicyRef
@@ -596,14 +598,14 @@ def finish_iteration(pending: PendingIteration, on_stage: Callable[[str], None] 
     stage_seconds = {s: finished_at[s] - max((finished_at[d] for d in after[s] if d in finished_at), default=start)
                      for s in pending.names}
     for s, host in inside.items():  # its own seconds in the host's tasks (the slowest one's), out of the host's
-        stage_seconds[s] = max(r[f"{s}_seconds"] for r in results[host])
+        stage_seconds[s] = max(_INSIDE_SECONDS[s](r) for r in results[host])
         stage_seconds[host] -= stage_seconds[s]
     iteration_s = max(finished_at.values(), default=start) - start  # submission to the last stage's end
     skipped = frozenset(s.stage for s in stages.values() if s.gate is None and not s.inside)
     if skipped:  # a resumed step: the skipped stages' measurements were stored with their marks
         attrs = RolloutStore(pending.ref.root).attrs(step)
         for s in skipped:
-            results[s] = [{"events": [], **r} if s == "train" else r for r in attrs.get(f"results_{s}", [])]
+            results[s] = [result_of_stage(s, r) for r in attrs.get(f"results_{s}", [])]
     result = _collect(step, results, stage_seconds, skipped, frozenset(inside))
     result.metrics["iteration_seconds"] = iteration_s
     return result
@@ -617,6 +619,9 @@ def run_iteration(client: Client, cfg: GRPOConfig, pools: Pools, folder: RunFold
                             on_stage, timeout_s)
 
 
+# A stage run inside another stage's tasks: its seconds in one of them.
+_INSIDE_SECONDS: dict[str, Callable[[TaskResult], float]] = {"reward": lambda r: r.reward_seconds,
+                                                              "reference": lambda r: r.reference_seconds}
 # LossStats.metrics (stages/train/loss.py) that reach the step's metrics.
 _LOSS_METRICS = ("loss", "kl", "clip_fraction", "clip_fraction_low", "clip_fraction_high", "dual_clip_fraction",
                  "kl_behav", "is_weight_mean", "is_weight_max", "is_truncated_fraction", "is_masked_fraction")
@@ -624,81 +629,84 @@ _LOSS_METRICS = ("loss", "kl", "clip_fraction", "clip_fraction_low", "clip_fract
 
 def _collect(step: int, values: dict[str, list], stage_seconds: dict[str, float],
              skipped: frozenset[str], inside: frozenset[str] = frozenset()) -> IterationResult:
-    """Fold the tasks' own measurements into the step's metrics; ``inside``: the stages run inside
-    another stage's tasks (their values are those tasks' results)."""
+    """Fold the tasks' own measurements (flows/results.py) into the step's metrics; ``inside``: the
+    stages run inside another stage's tasks (their values are those tasks' results)."""
     m: dict[str, float] = {}
-    if values["rollout"]:
-        roll = values["rollout"]
-        m["rollout_tokens"] = sum(r["rollout_tokens"] for r in roll)
-        m["rollout_tokens_per_s"] = m["rollout_tokens"] / max(max(r["rollout_seconds"] for r in roll), 1e-9)
-        m["kv_cache_bytes"] = sum(r["kv_cache_bytes"] for r in roll)
-        m["weight_load_seconds"] = max(r["weight_load_seconds"] for r in roll)
-        m["rollout_compute_seconds"] = max(r["rollout_seconds"] for r in roll)  # generate() alone
-        for key in ("speculative_acceptance", "speculative_tokens_per_forward"):  # rollout.draft_*: engines' mean
-            if all(key in r for r in roll):
-                m[key] = sum(r[key] for r in roll) / len(roll)
-        if any("engine_starts" in r for r in roll):  # rollout.engine=vllm: server processes (re)started
-            m["engine_starts"] = sum(r.get("engine_starts", 0) for r in roll)
-            m["engine_start_seconds"] = max(r.get("engine_start_seconds", 0.0) for r in roll)
-        if all("groups_generated" in r for r in roll):  # rollout.dynamic_sampling, summed over the engines
-            for key in ("groups_generated", "groups_dropped", "groups_unfilled"):
-                m[key] = sum(r[key] for r in roll)
-            m["sampling_rounds"] = max(r["sampling_rounds"] for r in roll)
-            m["generated_length_mean"] = m["rollout_tokens"] / max(sum(r["generated_samples"] for r in roll), 1)
+    roll: list[RolloutResult] = values["rollout"]
+    if roll:
+        m["rollout_tokens"] = sum(r.rollout_tokens for r in roll)
+        m["rollout_tokens_per_s"] = m["rollout_tokens"] / max(max(r.rollout_seconds for r in roll), 1e-9)
+        m["kv_cache_bytes"] = sum(r.kv_cache_bytes for r in roll)
+        m["weight_load_seconds"] = max(r.weight_load_seconds for r in roll)
+        m["rollout_compute_seconds"] = max(r.rollout_seconds for r in roll)  # generate() alone
+        if all(r.speculative_acceptance is not None for r in roll):  # rollout.draft_*: the engines' mean
+            m["speculative_acceptance"] = sum(r.speculative_acceptance for r in roll) / len(roll)
+            m["speculative_tokens_per_forward"] = sum(r.speculative_tokens_per_forward for r in roll) / len(roll)
+        if any(r.engine_starts is not None for r in roll):  # rollout.engine=vllm: server processes (re)started
+            m["engine_starts"] = sum(r.engine_starts or 0 for r in roll)
+            m["engine_start_seconds"] = max(r.engine_start_seconds or 0.0 for r in roll)
+        if all(r.groups_generated is not None for r in roll):  # rollout.dynamic_sampling, summed over the engines
+            m["groups_generated"] = sum(r.groups_generated for r in roll)
+            m["groups_dropped"] = sum(r.groups_dropped for r in roll)
+            m["groups_unfilled"] = sum(r.groups_unfilled for r in roll)
+            m["sampling_rounds"] = max(r.sampling_rounds for r in roll)
+            m["generated_length_mean"] = m["rollout_tokens"] / max(sum(r.generated_samples for r in roll), 1)
     if values.get("reference"):
-        m["reference_compute_seconds"] = max(r["reference_seconds"] for r in values["reference"])
+        m["reference_compute_seconds"] = max(r.reference_seconds for r in values["reference"])
     first_error, function_errors = "", {}
-    if values["reward"]:
-        m["reward_failed"] = sum(r["reward_failed"] for r in values["reward"])
-        first_error = next((r["reward_first_error"] for r in values["reward"] if r.get("reward_first_error")), "")
+    # reward.in_rollout: the reward stage's results are the rollout tasks'
+    scores: list[ScoreResult] = [r.scores() if isinstance(r, RolloutResult) else r for r in values["reward"]]
+    if scores:
+        m["reward_failed"] = sum(r.reward_failed for r in scores)
+        first_error = next((r.reward_first_error for r in scores if r.reward_first_error), "")
         by_function: dict[str, dict] = {}
-        for r in values["reward"]:
-            merge_function_stats(by_function, r.get("reward_functions", {}))
+        for r in scores:
+            merge_function_stats(by_function, r.reward_functions)
         for label, f in by_function.items():  # each function's mean over the samples it scored
             m[f"reward/{label}"] = f["sum"] / f["scored"] if f["scored"] else float("nan")
             m[f"reward_failed/{label}"] = float(f["failed"])
             if f["first_error"]:
                 function_errors[label] = f["first_error"]
     for r in values["advantage"]:
-        m.update(r)
-    trains = sorted(values["train"], key=lambda r: r["rank"])
+        m.update(r.statistics)
+    trains: list[TrainResult] = sorted(values["train"], key=lambda r: r.rank)
     events: list[dict] = []
     if trains:
         for r in trains:
-            m[f"bubble_fraction_rank{r['rank']}"] = r["metrics"]["bubble_fraction"]
-            events.extend(r["events"])
+            m[f"bubble_fraction_rank{r.rank}"] = r.metrics["bubble_fraction"]
+            events.extend(r.events)
         # Loss metrics come from ranks holding the last stage (reduced over DP there): with a
         # V-shaped schedule that is pipeline rank 0, not the highest rank.
-        loss_rank = next((r["metrics"] for r in trains if "loss" in r["metrics"]), {})
+        loss_rank = next((r.metrics for r in trains if "loss" in r.metrics), {})
         m.update({k: loss_rank[k] for k in _LOSS_METRICS if k in loss_rank})
-        m["grad_norm"] = trains[0]["metrics"].get("grad_norm", float("nan"))
+        m["grad_norm"] = trains[0].metrics.get("grad_norm", float("nan"))
         for r in trains:  # activation stash per stage (identical across DP / TP copies)
-            m.update({k: v for k, v in r["metrics"].items() if k.startswith(("activation_bytes", "peak_inflight"))})
-        m["bubble_fraction"] = sum(r["metrics"]["bubble_fraction"] for r in trains) / len(trains)
-        m["train_step_seconds"] = max(r["metrics"]["step_seconds"] for r in trains)
+            m.update({k: v for k, v in r.metrics.items() if k.startswith(("activation_bytes", "peak_inflight"))})
+        m["bubble_fraction"] = sum(r.metrics["bubble_fraction"] for r in trains) / len(trains)
+        m["train_step_seconds"] = max(r.metrics["step_seconds"] for r in trains)
         # Pipeline passes of the step and token slots processed per real token (length buckets).
-        m.update({k: trains[0]["metrics"][k] for k in ("lr", "train_passes", "train_token_slots_per_real_token")
-                  if k in trains[0]["metrics"]})
-        m["publish_bytes"] = sum(r["shard_bytes"] for r in trains)
-        m["publish_write_seconds"] = max(r["shard_seconds"] for r in trains)
+        m.update({k: trains[0].metrics[k] for k in ("lr", "train_passes", "train_token_slots_per_real_token")
+                  if k in trains[0].metrics})
+        m["publish_bytes"] = sum(r.shard_bytes for r in trains)
+        m["publish_write_seconds"] = max(r.shard_seconds for r in trains)
         origin = min((e["ts"] for e in events if "ts" in e), default=0)
         for e in events:
             if "ts" in e:
                 e["ts"] -= origin
+    passes: list[ReferenceResult | ProximalResult] = [r for s in ("reference", "proximal") if s not in inside
+                                                      for r in values.get(s, [])]
     forward: dict[int, float] = {}  # rank -> the end of its last forward-only task of the step
-    for r in (r for s in ("reference", "proximal") if s not in inside for r in values.get(s, [])):
-        rank = r.get("rank", -1)  # results stored before the rank was recorded match no train task
-        forward[rank] = max(forward.get(rank, r["task_end"]), r["task_end"])
-    waits = [t["task_start"] - forward[t["rank"]] for t in trains if t["rank"] in forward]
+    for r in passes:  # results stored before the rank was recorded (rank -1) match no train task
+        forward[r.rank] = max(forward.get(r.rank, r.task_end), r.task_end)
+    waits = [t.task_start - forward[t.rank] for t in trains if t.rank in forward]
     if waits:
         # A rank's wait between its forward-only passes and its train task: the dispatch hop (and
         # the advantages or the output rank's mark, when they come later); the planner's per-hop cost.
         m["train_handoff_seconds"] = min(waits)
-    m.update(weight_sync.step_metrics(values))
+    m.update(weight_sync.step_metrics(roll, trains))
     m.update({f"{s}_seconds": v for s, v in stage_seconds.items()})
-    busy = [("rollout", r["task_start"], r["task_end"]) for r in values["rollout"]]
-    busy += [("train", r["task_start"], r["task_end"]) for s in ("reference", "proximal", "train") if s not in inside
-             for r in values.get(s, [])]
+    busy = [("rollout", r.task_start, r.task_end) for r in roll]
+    busy += [("train", r.task_start, r.task_end) for r in (*passes, *trains)]
     return IterationResult(step, values["publish"][0], m, stage_seconds, events, skipped, busy, first_error,
                            function_errors)
 

@@ -17,6 +17,8 @@ import torch
 
 from flows import weight_sync
 from flows.config import GRPOConfig, config_hash
+from flows.results import (AdvantageResult, ProximalResult, ReferenceResult, RolloutResult, ScoreResult, TaskResult,
+                           TaskSpan, TrainResult)
 from flows.worker import data_stamp, phase_threads, set_threads, state, worker_name
 from stages.advantage import normalize_advantages
 from stages.data import PromptRecord
@@ -153,7 +155,7 @@ def close_engines() -> int:
 
 
 def rollout_task(cfg: GRPOConfig, ref: StepRef, policy: PolicyRef, prompt_start: int, prompt_stop: int,
-                 engine_key: str, score: bool = False) -> dict[str, float]:
+                 engine_key: str, score: bool = False) -> RolloutResult:
     """Generate G completions for prompts [prompt_start, prompt_stop) of the step; write their rows.
     ``score`` (reward.in_rollout): score their groups too and write rewards and advantages with them."""
     t_start = time.time()
@@ -208,7 +210,7 @@ def rollout_task(cfg: GRPOConfig, ref: StepRef, policy: PolicyRef, prompt_start:
         scoring = {"reward_seconds": reward_s, "reward_failed": float(arrays["reward_failed"].sum()),
                    "reward_first_error": next((e for e in first_errors if e), ""), "reward_functions": by_function}
     store.write_rows(ref.step, arrays, start=rows.row_start)
-    return {**metrics, **load, **scoring, "task_start": t_start, "task_end": time.time()}
+    return RolloutResult(**metrics, **load, **scoring, task_start=t_start, task_end=time.time())
 
 
 def mark_stage_complete(ref: StepRef, stage: str | tuple[str, ...], *deps, attrs: dict | None = None):
@@ -217,7 +219,7 @@ def mark_stage_complete(ref: StepRef, stage: str | tuple[str, ...], *deps, attrs
     task's outputs) is marked in one update. The one place a stage is marked."""
     # The work's measurements go with the mark, so a resumed step whose stage is skipped still
     # reports them (flows/iteration.py); Chrome events stay in timelines/ only.
-    results = [_jsonable({k: v for k, v in d.items() if k != "events"}) for d in deps if isinstance(d, dict)]
+    results = [d.to_dict() for d in deps if isinstance(d, TaskResult)]
     stages = (stage,) if isinstance(stage, str) else stage
     RolloutStore(ref.root).mark_complete(ref.step, stages, **(attrs or {}), **{f"results_{s}": results for s in stages})
     return stage
@@ -226,28 +228,13 @@ def mark_stage_complete(ref: StepRef, stage: str | tuple[str, ...], *deps, attrs
 def run_and_mark(fn: Callable, ref: StepRef, stage: str | tuple[str, ...], attrs: dict, *args):
     """``fn(*args)``, the only task of ``stage`` (or the one that writes its outputs, after every
     other task of it has done its share), then the stage's completion mark with its result (as
-    :func:`mark_stage_complete` writes it), in the same task. A result that is not a dict of
-    measurements (publish's PolicyRef) is marked with the task's start and end instead."""
+    :func:`mark_stage_complete` writes it), in the same task. A result that is not a
+    :class:`TaskResult` (publish's PolicyRef) is marked with the task's start and end instead."""
     t_start = time.time()
     result = fn(*args)
-    measured = result if isinstance(result, dict) else {"task_start": t_start, "task_end": time.time()}
+    measured = result if isinstance(result, TaskResult) else TaskSpan(task_start=t_start, task_end=time.time())
     mark_stage_complete(ref, stage, measured, attrs=attrs)
     return result
-
-
-def _jsonable(value):
-    """Plain JSON types (numpy scalars -> float / int, tuples -> lists); floats round-trip exactly."""
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    if isinstance(value, (int, np.integer)):
-        return int(value)
-    if isinstance(value, (float, np.floating)):
-        return float(value)
-    return str(value)
 
 
 # -- reward and advantages ----------------------------------------------------------------------------
@@ -255,7 +242,7 @@ SCORED = ("reward", "advantage")
 """The stages a scoring task writes: a range of whole groups holds every reward its advantages need."""
 
 
-def score_task(cfg: GRPOConfig, ref: StepRef, policy_path: str, start: int, stop: int, *deps) -> dict[str, float]:
+def score_task(cfg: GRPOConfig, ref: StepRef, policy_path: str, start: int, stop: int, *deps) -> ScoreResult:
     """Score rows [start, stop) (whole groups, chunk-aligned), normalise their groups' advantages,
     and write rewards, failures and advantages in one call: the reward and advantage stages of that
     range. Returns the range's reward statistics (the step's when the range is the whole step)."""
@@ -266,8 +253,8 @@ def score_task(cfg: GRPOConfig, ref: StepRef, policy_path: str, start: int, stop
     scores, first_error, functions = _score(cfg, policy_path, rows,
                                             state().records(cfg, policy_path, ref.step, start // G, stop // G, stamp))
     store.write_rows(ref.step, scores, start=start)
-    return {**reward_statistics(scores["reward"], rows["length"], G, scores["reward_failed"], rows["finish_reason"]),
-            "reward_first_error": first_error, "reward_functions": functions}
+    stats = reward_statistics(scores["reward"], rows["length"], G, scores["reward_failed"], rows["finish_reason"])
+    return ScoreResult(statistics=stats, reward_first_error=first_error, reward_functions=functions)
 
 
 def _score(cfg: GRPOConfig, policy_path: str, rows: dict[str, np.ndarray], records: list[PromptRecord]
@@ -284,18 +271,20 @@ def _score(cfg: GRPOConfig, policy_path: str, rows: dict[str, np.ndarray], recor
             scored.function_metrics())
 
 
-def mark_scored(cfg: GRPOConfig, ref: StepRef, *scores: dict, rollout: bool = False) -> dict[str, float]:
+def mark_scored(cfg: GRPOConfig, ref: StepRef, *scores: ScoreResult | RolloutResult, rollout: bool = False
+                ) -> AdvantageResult:
     """The gate of several scoring tasks: the step's reward statistics from the stored arrays, and
     the reward and advantage stages marked complete in one update. ``rollout``: ``scores`` are
     rollout tasks that scored their own rows (reward.in_rollout); the rollout stage is marked in
-    the same update, with their results."""
+    the same update, with their results, and the reward stage with their scoring."""
     store = RolloutStore(ref.root)
     r = store.read(ref.step, "reward", "length", "reward_failed", "finish_reason")
-    stats = reward_statistics(r["reward"], r["length"], cfg.rollout.group_size, r["reward_failed"], r["finish_reason"])
-    results = [_jsonable(d) for d in scores]
-    by_stage = {"results_rollout": results} if rollout else {}
-    store.mark_complete(ref.step, (("rollout",) if rollout else ()) + SCORED, **by_stage, results_reward=results,
-                        results_advantage=[_jsonable(stats)])
+    stats = AdvantageResult(statistics=reward_statistics(r["reward"], r["length"], cfg.rollout.group_size,
+                                                         r["reward_failed"], r["finish_reason"]))
+    by_stage = {"results_rollout": [d.to_dict() for d in scores]} if rollout else {}
+    scored = [d.scores() if isinstance(d, RolloutResult) else d for d in scores]
+    store.mark_complete(ref.step, (("rollout",) if rollout else ()) + SCORED, **by_stage,
+                        results_reward=[d.to_dict() for d in scored], results_advantage=[stats.to_dict()])
     return stats
 
 
@@ -321,7 +310,7 @@ def _forward_batch(cfg: GRPOConfig, store: RolloutStore, step: int, pad_id: int)
     return build_global_batch(a, "token-mean", pad_id, cfg.microbatch_layout)
 
 
-def reference_task(cfg: GRPOConfig, ref: StepRef, *deps) -> dict[str, float]:
+def reference_task(cfg: GRPOConfig, ref: StepRef, *deps) -> ReferenceResult:
     """Forward-only pass of the frozen reference on every training rank (pipelined, or each rank a
     share of the microbatches with train.reference_parallel=data); the rank holding the gathered
     log-probs (last stage, dp = tp = 0) writes ref_logp."""
@@ -334,11 +323,11 @@ def reference_task(cfg: GRPOConfig, ref: StepRef, *deps) -> dict[str, float]:
     logp = engine.batch_logp(batch, "reference_logp")  # every pass, as [N, max_new] in store order
     if logp is not None:
         store.write(ref.step, "ref_logp", logp)
-    return {"reference_seconds": time.perf_counter() - t0, "rank": engine.rank, "task_start": t_start,
-            "task_end": time.time()}
+    return ReferenceResult(reference_seconds=time.perf_counter() - t0, rank=engine.rank, task_start=t_start,
+                           task_end=time.time())
 
 
-def proximal_task(cfg: GRPOConfig, ref: StepRef, *deps) -> dict[str, float]:
+def proximal_task(cfg: GRPOConfig, ref: StepRef, *deps) -> ProximalResult:
     """Forward-only pass of the trainer's current weights (before this step's update) on every
     training rank; the output rank writes prox_logp, decoupled PPO's clip anchor."""
     t_start = time.time()
@@ -349,12 +338,12 @@ def proximal_task(cfg: GRPOConfig, ref: StepRef, *deps) -> dict[str, float]:
     logp = engine.batch_logp(batch, "proximal_logp")
     if logp is not None:
         store.write(ref.step, "prox_logp", logp)
-    return {"proximal_seconds": time.time() - t_start, "rank": engine.rank, "task_start": t_start,
-            "task_end": time.time()}
+    return ProximalResult(proximal_seconds=time.time() - t_start, rank=engine.rank, task_start=t_start,
+                          task_end=time.time())
 
 
 # -- advantages of stored rewards ---------------------------------------------------------------------
-def advantage_task(cfg: GRPOConfig, ref: StepRef, *deps) -> dict[str, float]:
+def advantage_task(cfg: GRPOConfig, ref: StepRef, *deps) -> AdvantageResult:
     """Group-normalised advantages with dask.array over the stored rewards (chunks of whole
     groups): a step whose rewards a scoring task marked complete without its advantages (a step
     stored before scoring tasks wrote both)."""
@@ -363,12 +352,13 @@ def advantage_task(cfg: GRPOConfig, ref: StepRef, *deps) -> dict[str, float]:
     adv = normalize_advantages(store.dask_array(ref.step, "reward"), cfg.rollout.group_size, cfg.advantage, valid)
     store.write_dask(ref.step, "advantage", adv)
     r = store.read(ref.step, "reward", "length", "reward_failed", "finish_reason")
-    return reward_statistics(r["reward"], r["length"], cfg.rollout.group_size, r["reward_failed"], r["finish_reason"])
+    return AdvantageResult(statistics=reward_statistics(r["reward"], r["length"], cfg.rollout.group_size,
+                                                        r["reward_failed"], r["finish_reason"]))
 
 
 # -- training and publication -------------------------------------------------------------------------
 def train_task(cfg: GRPOConfig, ref: StepRef, folder: RunFolder, new_version: int, with_reference: bool,
-               *deps) -> dict:
+               *deps) -> TrainResult:
     """One optimiser step on this rank, then write this rank's shard of the new policy version.
     ``with_reference`` (train.reference_pass = fused): run the reference pass over the step's batch
     first (its log-probs go straight into the batch); the output rank stores them and returns the
@@ -391,8 +381,8 @@ def train_task(cfg: GRPOConfig, ref: StepRef, folder: RunFolder, new_version: in
         fused = {"reference_seconds": result.metrics["reference_seconds"]}
         if ref_logp is not None:
             store.write(ref.step, "ref_logp", ref_logp)
-            fused["reference"] = {"reference_seconds": fused["reference_seconds"], "rank": engine.rank,
-                                  "task_start": t_start, "task_end": time.time()}
+            fused["reference"] = ReferenceResult(reference_seconds=fused["reference_seconds"], rank=engine.rank,
+                                                 task_start=t_start, task_end=time.time())
     else:
         result = engine.train_step(batch)
     t0 = time.perf_counter()
@@ -414,29 +404,28 @@ def train_task(cfg: GRPOConfig, ref: StepRef, folder: RunFolder, new_version: in
     folder.policy_store().save_optimizer_state(new_version, engine.rank, engine.optimizer_state())
     shard_s = time.perf_counter() - t0
     sync = weight_sync.send_version(cfg.run_name, shard, new_version)  # {} unless weight_sync=memory
-    return {"rank": engine.rank, "metrics": result.metrics, "window_ns": result.window_ns,
-            "events": chrome_events(engine.rank, result.actions, result.window_ns, origin_ns=0),
-            "shard_bytes": num_bytes, "shard_seconds": shard_s, **sync, **fused, **tied,
-            "task_start": t_start, "task_end": time.time()}
+    return TrainResult(rank=engine.rank, metrics=result.metrics, window_ns=result.window_ns,
+                       events=chrome_events(engine.rank, result.actions, result.window_ns, origin_ns=0),
+                       shard_bytes=num_bytes, shard_seconds=shard_s, **sync, **fused, **tied,
+                       task_start=t_start, task_end=time.time())
 
 
 def publish_task(folder: RunFolder, ref: StepRef, new_version: int, base: PolicyRef, num_shards: int,
-                 train_attrs: dict | None, trains: tuple[dict, ...], *after) -> PolicyRef:
+                 train_attrs: dict | None, trains: tuple[TrainResult, ...], *after) -> PolicyRef:
     """Finish the new policy version once every pipeline rank's shard is written. ``trains``: the
     training tasks' results when they ran in this attempt; their stage is marked complete here
     first, with ``train_attrs`` (one task fewer between the ranks' step and the next rollout).
     ``after``: tasks that mark the step's earlier stages, so train is never marked before them."""
     if trains:
-        tied = {t["rank"]: t["tied_sha256"] for t in trains if "tied_sha256" in t}
+        tied = {t.rank: t.tied_sha256 for t in trains if t.tied_sha256 is not None}
         if len(set(tied.values())) > 1:
             copies = ", ".join(f"rank {r}: {sha[:12]}" for r, sha in sorted(tied.items()))
             raise PolicyStoreError(f"policy v{new_version}: the training ranks' copies of the tied embedding differ "
                                    f"(sha256 {copies}); a version stores one copy, so this one is not published")
-        fused = [t["reference"] for t in trains if "reference" in t]
+        fused = [t.reference for t in trains if t.reference is not None]
         if fused:  # train.reference_pass = fused: the output rank's train task ran and stored the pass
             mark_stage_complete(ref, "reference", *fused)
-        mark_stage_complete(ref, "train", *({k: v for k, v in t.items() if k != "reference"} for t in trains),
-                            attrs=train_attrs)
+        mark_stage_complete(ref, "train", *trains, attrs=train_attrs)
     hf_config, tokenizer_json, _ = load_model_folder(base.path, names=set())
     return folder.policy_store().finalize_policy(new_version, hf_config, tokenizer_json, num_shards,
                                                  extra={"step": ref.step}, source=base.path)

@@ -27,11 +27,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from typing import Sequence
 
 from distributed import Client, wait
 
 from flows.cluster import ClusterError, Pools, worker_addresses
 from flows.config import GRPOConfig
+from flows.results import RolloutResult, TrainResult
 from flows.worker import set_threads
 from flows.worker import state as worker_state
 from stages.policy import DecoderConfig, build_stage, hf_state
@@ -134,25 +136,24 @@ def close_channel(client: Client, cfg: GRPOConfig) -> None:
         log.debug("closing the weight sync channel: %s", exc)
 
 
-def step_metrics(values: dict[str, list]) -> dict[str, float]:
+def step_metrics(rollouts: Sequence[RolloutResult], trains: Sequence[TrainResult]) -> dict[str, float]:
     """The step's weight-sync metrics from its tasks' results. Train (this step sends version
     step + 1): seconds and bytes of the in-memory send. Rollout (the version this step generates
     from): where each engine took it from and what that cost."""
     m: dict[str, float] = {}
-    sends = [r for r in values.get("train", []) if "weight_sync_memory_send_seconds" in r]
+    sends = [r for r in trains if r.weight_sync_memory_send_seconds is not None]
     if sends:
-        m["weight_sync_memory_send_seconds"] = max(r["weight_sync_memory_send_seconds"] for r in sends)
-        m["weight_sync_memory_send_bytes"] = sum(r["weight_sync_memory_send_bytes"] for r in sends)
-        m["weight_sync_memory_send_hash_seconds"] = max(r["weight_sync_memory_send_hash_seconds"] for r in sends)
-        m["weight_sync_memory_send_failures"] = sum(r["weight_sync_memory_send_failed"] for r in sends)
-    loads = values.get("rollout", [])
-    if loads:
-        for key in ("weight_load_disk_seconds", "weight_sync_memory_load_seconds",
-                    "weight_sync_memory_receive_seconds"):
-            m[key] = max(r.get(key, 0.0) for r in loads)
-        m["weight_sync_memory_receive_bytes"] = max(r.get("weight_sync_memory_receive_bytes", 0) for r in loads)
+        m["weight_sync_memory_send_seconds"] = max(r.weight_sync_memory_send_seconds for r in sends)
+        m["weight_sync_memory_send_bytes"] = sum(r.weight_sync_memory_send_bytes for r in sends)
+        m["weight_sync_memory_send_hash_seconds"] = max(r.weight_sync_memory_send_hash_seconds for r in sends)
+        m["weight_sync_memory_send_failures"] = sum(r.weight_sync_memory_send_failed for r in sends)
+    if rollouts:
+        m["weight_load_disk_seconds"] = max(r.weight_load_disk_seconds or 0.0 for r in rollouts)
+        m["weight_sync_memory_load_seconds"] = max(r.weight_sync_memory_load_seconds or 0.0 for r in rollouts)
+        m["weight_sync_memory_receive_seconds"] = max(r.weight_sync_memory_receive_seconds or 0.0 for r in rollouts)
+        m["weight_sync_memory_receive_bytes"] = max(r.weight_sync_memory_receive_bytes or 0 for r in rollouts)
         for source in ("memory", "disk"):
-            m[f"weight_loads_from_{source}"] = sum(r.get("weights_from") == source for r in loads)
+            m[f"weight_loads_from_{source}"] = sum(r.weights_from == source for r in rollouts)
     return m
 
 

@@ -66,8 +66,9 @@ def test_score_task_on_fixture_rows(step0):
     np.testing.assert_array_equal(got["reward"][: 2 * G], expected)
     # Every group's rewards are equal: its advantages are exactly 0.
     np.testing.assert_array_equal(got["advantage"][: 2 * G], np.zeros(2 * G))
-    assert metrics["reward_failed"] == 0.0 and metrics["reward_mean"] == pytest.approx(np.mean(expected))
-    assert metrics["zero_variance_groups"] == 2.0
+    stats = metrics.statistics
+    assert metrics.reward_failed == stats["reward_failed"] == 0.0
+    assert stats["reward_mean"] == pytest.approx(np.mean(expected)) and stats["zero_variance_groups"] == 2.0
 
 
 def test_rollout_reward_advantage_slice(step0):
@@ -78,7 +79,7 @@ def test_rollout_reward_advantage_slice(step0):
     scores = [tasks.score_task(cfg, ref, policy.path, lo, hi) for lo, hi in ((0, 4 * G), (4 * G, 8 * G))]
     stats = tasks.mark_scored(cfg, ref, *scores)
     assert store.completed(0) == {"rollout", "reward", "advantage"}
-    assert store.attrs(0)["results_advantage"] == [stats]
+    assert store.attrs(0)["results_advantage"] == [stats.to_dict()]
     # The scoring tasks' advantages are those of the advantage task over the stored rewards, bit for bit.
     fused = store.read(0, "advantage")["advantage"]
     assert tasks.advantage_task(cfg, ref) == stats
@@ -111,9 +112,9 @@ def test_rollout_reward_advantage_slice(step0):
     grouped = a["reward"].astype(np.float64).reshape(P, G)
     adv = (grouped - grouped.mean(1, keepdims=True)) / (grouped.std(1, keepdims=True) + _ADV_EPS)
     np.testing.assert_allclose(a["advantage"], adv.reshape(-1), rtol=1e-6, atol=1e-6)
-    assert stats["reward_mean"] == pytest.approx(float(np.mean(expected)))
-    assert stats["zero_variance_groups"] == float((grouped.std(1) == 0).sum())
-    assert sum(m["rollout_tokens"] for m in roll) == float(a["length"].sum())
+    assert stats.statistics["reward_mean"] == pytest.approx(float(np.mean(expected)))
+    assert stats.statistics["zero_variance_groups"] == float((grouped.std(1) == 0).sum())
+    assert sum(m.rollout_tokens for m in roll) == float(a["length"].sum())
 
 
 def test_a_damaged_base_policy_cache_is_rebuilt_the_same(step0, tmp_path, caplog):

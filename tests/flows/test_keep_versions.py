@@ -69,9 +69,11 @@ def test_an_async_run_keeps_what_its_stale_steps_start_from(tmp_path):
 
 
 def test_publish_refuses_tied_embedding_copies_that_differ(tmp_path):
+    from flows.results import TrainResult
     from flows.tasks import publish_task
 
-    trains = ({"rank": 0, "tied_sha256": "a" * 64}, {"rank": 1, "tied_sha256": "b" * 64})
+    trains = tuple(TrainResult(rank=r, metrics={}, window_ns=(0, 1), shard_bytes=0, shard_seconds=0.0, task_start=0.0,
+                               task_end=1.0, tied_sha256=c * 64) for r, c in ((0, "a"), (1, "b")))
     with pytest.raises(PolicyStoreError, match=r"policy v3: the training ranks' copies of the tied embedding differ "
                                                r"\(sha256 rank 0: aaaaaaaaaaaa, rank 1: bbbbbbbbbbbb\)"):
         publish_task(run_folder(_cfg(tmp_path)), None, 3, None, 2, None, trains)

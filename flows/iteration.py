@@ -688,6 +688,8 @@ def _collect(step: int, values: dict[str, list], stage_seconds: dict[str, float]
         m.update({k: trains[0].metrics[k] for k in ("lr", "train_passes", "train_token_slots_per_real_token")
                   if k in trains[0].metrics})
         m["publish_bytes"] = sum(r.shard_bytes for r in trains)
+        # Activations and gradients between pipeline ranks in the train step, every rank's sends.
+        m["pipeline_p2p_bytes"] = sum(r.metrics.get("p2p_send_bytes", 0.0) for r in trains)
         m["publish_write_seconds"] = max(r.shard_seconds for r in trains)
         origin = min((e["ts"] for e in events if "ts" in e), default=0)
         for e in events:

@@ -437,7 +437,7 @@ class TrainRank:
         metrics["train_passes"] = float(len(passes))
         if getattr(batch, "slots_per_real_token", None) is not None:
             metrics["train_token_slots_per_real_token"] = float(batch.slots_per_real_token)
-        metrics.update(self.timeline.stash_metrics())
+        metrics.update(self.timeline.stash_metrics(), **self.timeline.p2p_metrics())
         return StepResult(self.rank, metrics, list(self.timeline.actions), (t0, t1))
 
     def _loss_metrics(self, stats: list[LossStats]) -> dict[str, float]:

@@ -49,6 +49,7 @@ class Action:
     end_ns: int
     peer: int = -1  # send/recv: the peer's global rank
     wait_ns: int = 0  # send/recv: time blocked in wait()
+    num_bytes: int = 0  # send/recv: the tensor's bytes
 
     @property
     def seconds(self) -> float:
@@ -87,6 +88,10 @@ class RankTimeline:
         for stage, peak in sorted(self.peak_in_flight.items()):
             out[f"peak_inflight_stage{stage}"] = float(peak)
         return out
+
+    def p2p_metrics(self) -> dict[str, float]:
+        """p2p_send_bytes: the activations and gradients this rank sent to other pipeline ranks."""
+        return {"p2p_send_bytes": float(sum(a.num_bytes for a in self.actions if a.kind.startswith("SEND")))}
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -178,7 +183,8 @@ class TimedStage(PipelineStage):
     # -- P2P ops carry a label that timed_p2p turns into a send/recv action ------------------------
     def _label(self, ops: list, kind: str, mb: int) -> list:
         for op in ops:
-            setattr(op, _LABEL, (self.timeline, kind, self.stage_index, mb, op.peer))
+            setattr(op, _LABEL, (self.timeline, kind, self.stage_index, mb, op.peer,
+                                 op.tensor.numel() * op.tensor.element_size()))
         return ops
 
     def get_fwd_recv_ops(self, fwd_chunk_id):
@@ -201,7 +207,7 @@ class _TimedWork:
         self._work, self._label, self._posted_ns = work, label, posted_ns
 
     def wait(self, *args, **kwargs):
-        timeline, kind, stage, mb, peer = self._label
+        timeline, kind, stage, mb, peer, num_bytes = self._label
         t0 = time.time_ns()
         try:
             result = self._work.wait(*args, **kwargs)
@@ -209,7 +215,7 @@ class _TimedWork:
             text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise RuntimeError(f"{kind} of stage {stage} microbatch {mb} with rank {peer}: {text}") from exc
         end = time.time_ns()
-        timeline.record(Action(kind, stage, mb, self._posted_ns, end, peer, end - t0))
+        timeline.record(Action(kind, stage, mb, self._posted_ns, end, peer, end - t0, num_bytes))
         return result
 
     def __getattr__(self, name):
@@ -256,7 +262,7 @@ def chrome_events(rank: int, actions: list[Action], window: tuple[int, int], ori
         comm = a.kind in COMM_KINDS
         args = {"stage": a.stage, "microbatch": a.microbatch, "kind": a.kind}
         if comm:
-            args.update(peer=a.peer, wait_us=a.wait_ns / 1e3)
+            args.update(peer=a.peer, wait_us=a.wait_ns / 1e3, bytes=a.num_bytes)
         events.append({"name": f"{a.kind}{a.microbatch}" + (f".s{a.stage}" if not comm else ""), "cat": a.kind,
                        "ph": "X", "pid": rank, "tid": 1 if comm else 0, "ts": (a.start_ns - origin_ns) / 1e3,
                        "dur": (a.end_ns - a.start_ns) / 1e3, "args": args})

@@ -127,7 +127,7 @@ def test_the_engine_generated_from_the_weights_it_received(two_paths):
         # Step k sends v(k+1); step k >= 1 generates from v(k), received in memory (v0 is the
         # version the ranks were built from: disk).
         assert m["weight_sync_memory_send_failures"] == 0 and m["weight_sync_memory_send_bytes"] > 0
-        assert m["publish_bytes"] > 0 and "publish_write_seconds" in m
+        assert m["publish_bytes"] > 0 and "publish_write_seconds" in m and m["pipeline_p2p_bytes"] > 0
         loaded = assert_loaded_from(loop_dir, step, "disk" if step == 0 else "memory", ENGINES)
         assert (m["weight_loads_from_memory"], m["weight_loads_from_disk"]) == ((0, len(loaded)) if step == 0
                                                                                   else (len(loaded), 0))

@@ -145,6 +145,12 @@ def check_timeline(outputs, schedule: str, m: int) -> None:
         json.dumps(events)
         for s in stages:
             assert step.metrics[f"activation_bytes_per_microbatch_stage{s}"] > 0
+        assert all(a.num_bytes > 0 for a in comm)
+        assert step.metrics["p2p_send_bytes"] == sum(a.num_bytes for a in comm if a.kind.startswith("SEND"))
+    # every byte sent is received
+    sent, received = ({k: sum(a.num_bytes for out in outputs for a in out.steps[0].actions if a.kind == k)
+                       for k in kinds} for kinds in (("SEND_F", "SEND_B"), ("RECV_F", "RECV_B")))
+    assert (sent["SEND_F"], sent["SEND_B"]) == (received["RECV_F"], received["RECV_B"]) and sent["SEND_F"] > 0
 
 
 @pytest.mark.parametrize("schedule, virtual, tied, chunk_tokens", [
@@ -162,6 +168,10 @@ def test_schedule_gradient_equals_single_process(schedule, virtual, tied, chunk_
     p = 2
     if schedule == "1f1b":  # warm-up of p - i forwards, then one in, one out
         assert peaks == {f"peak_inflight_stage{i}": min(m, p - i) for i in range(p)}
+        # Stage 0 sends m activations, stage 1 m gradients: each [rows / m, S, H] float32.
+        rows, seq = make_batches(make_model(make_decoder_config()))[0].input_ids.shape
+        one = rows // m * seq * make_decoder_config().hidden_size * 4
+        assert [out.steps[0].metrics["p2p_send_bytes"] for out in outputs] == [m * one, m * one]
     if schedule == "gpipe":  # every forward before any backward
         assert peaks == {f"peak_inflight_stage{i}": m for i in range(p)}
     assert set(peaks) == {f"peak_inflight_stage{i}" for i in range(p * virtual)}

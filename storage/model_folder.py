@@ -21,13 +21,13 @@ class ModelFolderError(ValueError):
     """An HF model folder is missing or its config.json is unreadable; the message names the file."""
 
 
-def load_hf_config(path: str | Path) -> dict[str, Any]:
+def load_hf_config(path: str | Path, label: str | None = None) -> dict[str, Any]:
     """The parsed config.json of the model folder ``path``; errors read
-    ``model.path=<path>: <what is wrong>``."""
+    ``<label>: <what is wrong>``, by default ``model.path=<path>: ...``."""
     folder = Path(path)
 
     def error(what: str) -> ModelFolderError:
-        return ModelFolderError(f"model.path={path}: {what}")
+        return ModelFolderError(f"{label or f'model.path={path}'}: {what}")
 
     if not folder.is_dir():
         from storage.gguf_model import PACKAGED_MODELS  # stdlib only

@@ -34,7 +34,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from storage.model_folder import read_tokenizer_files, weight_files
+from storage.model_folder import ModelFolderError, load_hf_config, read_tokenizer_files, weight_files
 
 __all__ = ["PolicyStoreError", "PolicyRef", "PolicyStore", "load_model_folder", "load_tokenizer_json"]
 
@@ -346,7 +346,10 @@ def load_model_folder(path: str | Path, names: set[str] | None = None) -> tuple[
     tensors read to those a pipeline stage needs."""
     path = Path(path)
     try:
-        hf_config = json.loads((path / "config.json").read_text())
+        hf_config = load_hf_config(path, label=f"cannot load the model folder {path}")
+    except ModelFolderError as exc:
+        raise PolicyStoreError(str(exc)) from exc
+    try:
         tokenizer_json = read_tokenizer_files(path, ("tokenizer.json",)).get("tokenizer.json", b"").decode()
         tensors: dict[str, torch.Tensor] = {}
         for f in weight_files(path):

@@ -243,3 +243,12 @@ def test_a_version_carries_the_source_folders_tokenizer_files(tmp_path):
     for name in ("tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
         assert (Path(ref.path) / name).read_text() == (source / name).read_text()
     assert TextCodec.from_policy_folder(ref.path).chat_template == template
+
+
+def test_a_folder_without_a_readable_config_is_refused_in_one_line(tmp_path):
+    """load_model_folder reads config.json through storage/model_folder.py, in the store's wording."""
+    with pytest.raises(PolicyStoreError, match=rf"^cannot load the model folder {tmp_path}: no config.json"):
+        load_model_folder(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(PolicyStoreError, match=r"config.json is not valid JSON: not a JSON object$"):
+        load_model_folder(tmp_path)

@@ -225,8 +225,13 @@ class RolloutStore:
 
     @contextlib.contextmanager
     def _locked(self, step: int) -> Iterator[None]:
-        lock_path = Path(self.root) / f"step_{step}.lock"
-        with open(lock_path, "a") as fh:
+        """An exclusive flock on the step's attribute updates. The lock files live beside the store
+        (``.rollouts.zarr.locks/`` in the run folder), not in it: Zarr warns about any file in its
+        hierarchy that is not a node."""
+        root = Path(self.root)
+        locks = root.parent / f".{root.name}.locks"
+        locks.mkdir(exist_ok=True)
+        with open(locks / f"step_{step}.lock", "a") as fh:
             fcntl.flock(fh, fcntl.LOCK_EX)
             try:
                 yield

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
+import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -102,6 +104,16 @@ def test_mark_complete_keeps_order_free_marks_and_extra_attrs(tmp_path):
     assert store.completed(0) == {"rollout", "score"}
     assert store.attrs(0)["complete"] == ["rollout", "score"]
     assert store.attrs(0)["tokens_per_s"] == 12.5
+
+
+def test_the_marks_lock_files_stay_out_of_the_zarr_hierarchy(tmp_path):
+    store = make_store(tmp_path)
+    store.mark_complete(0, "rollout")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Zarr warns about a file in its hierarchy that is no node
+        assert sorted(zarr.open_group(store.root, mode="r").group_keys()) == ["step_0"]
+    root = Path(store.root)
+    assert (root.parent / f".{root.name}.locks" / "step_0.lock").exists()
 
 
 _NUM_MARKERS = 8

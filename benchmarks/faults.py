@@ -36,10 +36,9 @@ from pathlib import Path
 import numpy as np
 
 from flows.cluster import start_cluster, worker_addresses
-from flows.config import load_config
+from flows.config import GRPOConfig, load_config
 from flows.iteration import STAGES, inside_stages, stage_inputs, step_stages
 from flows.loop import run, run_folder
-from flows.config import GRPOConfig
 from stages.rollout.rows import first_group_id
 
 _POLL_S = 0.005  # the killer's look at the store; tiny stages last ~0.05-2 s

@@ -24,11 +24,11 @@ import torch
 
 from flows import tasks
 from flows.cluster import check_pools, dashboard_link, run_on_workers, start_cluster
+from flows.config import GRPOConfig, config_hash, config_to_dict
 from flows.evaluate import EvalScheduler, format_eval, load_eval_results
 from flows.iteration import STAGES, IterationError, IterationResult
 from flows.preflight import preflight
 from flows.run_loop import RunLoop, idle_fractions, init_ranks
-from flows.config import GRPOConfig, config_hash, config_to_dict
 from stages.perf import STEP_PHASES
 from storage.host_rates import HOST_RATES_FILE, host_cores, matmul_rate
 from storage.lineage import Lineage, relocate_artifacts

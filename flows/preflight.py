@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from storage.model_folder import ModelFolderError, iter_tensors, load_hf_config, tensor_shapes, tokenizer_file_names
 from flows.config import ConfigError, GRPOConfig, config_to_dict
+from storage.model_folder import ModelFolderError, iter_tensors, load_hf_config, tensor_shapes, tokenizer_file_names
 
 __all__ = ["SAFE_TO_CHANGE", "PreflightError", "config_differences", "check_model_folder", "check_draft_folder",
            "check_devices", "check_eval_data", "check_run_config", "check_run_folder", "check_task_prompts",

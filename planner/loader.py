@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+from flows.config import ConfigError, GRPOConfig, resolve_reference_parallel
 from planner.config import (
     ClusterConfig,
     PlanConfig,
@@ -31,7 +32,6 @@ from planner.config import (
     WorkloadConfig,
 )
 from planner.model import ModelShape, model_from_hf_config
-from flows.config import ConfigError, GRPOConfig, resolve_reference_parallel
 from storage.model_folder import ModelFolderError
 
 __all__ = ["plan_config_from_run", "plan_config_from_dict", "load_plan_config"]

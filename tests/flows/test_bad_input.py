@@ -16,11 +16,10 @@ import numpy as np
 import pytest
 
 from conftest import make_decoder_config, make_model
-from flows.config import load_config
+from flows.config import ConfigError, config_hash, config_to_dict, load_config
 from flows.iteration import step_layout
 from flows.loop import fresh_run, run, run_folder
 from flows.preflight import config_differences, preflight
-from flows.config import ConfigError, config_hash, config_to_dict
 from stages.policy import hf_state
 from stages.tasks.addition import make_tokenizer_json
 from storage.rollouts import ARRAYS

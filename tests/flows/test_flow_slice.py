@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from flows import tasks
-from flows.config import load_config
+from flows.config import config_hash, load_config
 from flows.iteration import step_layout
 from flows.loop import run_folder
-from flows.config import config_hash
 from stages.policy import DecoderConfig, build_stage, load_hf_state
 from stages.policy.tokenizer import TextCodec
 from stages.rollout import SamplingParams, generate

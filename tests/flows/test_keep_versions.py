@@ -10,10 +10,9 @@ import json
 import pytest
 from safetensors import safe_open
 
-from flows.config import load_config
+from flows.config import ConfigError, load_config
 from flows.loop import remaining_steps, run, run_folder
 from flows.run_loop import keeps_version
-from flows.config import ConfigError
 from storage.policies import PolicyStoreError
 
 pytestmark = pytest.mark.slow

@@ -8,10 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from flows.config import load_config
+from flows.config import config_hash, load_config
 from flows.iteration import IterationError, step_layout
 from flows.loop import _resume_point, _summarise, run_folder
-from flows.config import config_hash
 
 DONE = ["rollout", "reward", "advantage", "reference", "train", "publish"]
 

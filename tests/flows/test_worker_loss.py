@@ -17,9 +17,8 @@ import pytest
 
 from benchmarks.faults import Trial, _Restarts, base_config, check_groups, final_sha, run_trial
 from flows.cluster import start_cluster, worker_addresses
-from flows.config import load_config
+from flows.config import ConfigError, load_config
 from flows.loop import run, run_folder
-from flows.config import ConfigError
 
 ITERATIONS = 4  # the channel a lost engine left is reopened before step 3
 

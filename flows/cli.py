@@ -9,6 +9,7 @@ import logging
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 __all__ = ["main"]
@@ -17,8 +18,12 @@ __all__ = ["main"]
 _OVERRIDES_HELP = "optional key=value overrides of the config, e.g. iterations=5 train.schedule=gpipe"
 
 
+_ERROR_FILE = "error.txt"  # in the run folder: the traceback of the step that ended a run
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from flows.config import load_config
+    from flows.iteration import IterationError
     from flows.loop import format_summary, fresh_run, remaining_steps, run, run_folder
     from flows.preflight import check_run_config
 
@@ -34,7 +39,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("flows").setLevel(logging.WARNING if args.quiet else logging.INFO)
-    summary = run(cfg, progress=not args.quiet)
+    try:
+        summary = run(cfg, progress=not args.quiet)
+    except IterationError as exc:
+        if _disk_full(exc) is not None:
+            raise  # main() says so in one line; the disk has no room for a traceback
+        path = Path(folder.root) / _ERROR_FILE
+        path.write_text("".join(traceback.format_exception(exc)))
+        print(f"grpoflow: {exc}\nthe traceback is in {path}; the same command resumes the run from the stages it "
+              "completed", file=sys.stderr)
+        return 1
     print(format_summary(summary))
     print(f"summary: {folder.summary}")
     print(f"browse it: grpoflow ui {folder.root}")
@@ -56,9 +70,8 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 def _tracking_store(target: str, overrides: list[str]) -> tuple[str, str | None]:
     """(tracking URI, experiment name or None) of a run folder or of a config (+ overrides)."""
-    from flows.config import load_config
+    from flows.config import ConfigError, load_config
     from flows.loop import tracking_uri
-    from flows.config import ConfigError
     from storage.lineage import relocate_artifacts
     from storage.run_folder import RunFolder
 
@@ -110,11 +123,10 @@ def _cmd_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from flows.config import load_config, load_run_folder_config
+    from flows.config import ConfigError, load_config, load_run_folder_config
     from flows.evaluate import evaluate_version, format_eval, policy_folder
-    from flows.worker import state as worker_state
     from flows.loop import run_folder
-    from flows.config import ConfigError
+    from flows.worker import state as worker_state
     from storage.run_folder import RunFolder
 
     target = Path(args.target).resolve()
@@ -173,9 +185,8 @@ def _disk_full(exc: BaseException) -> str | None:
 
 
 def _cmd_workers(args: argparse.Namespace) -> int:
-    from flows.config import load_config
+    from flows.config import ConfigError, load_config
     from flows.deploy import TLSFiles, kubernetes_manifests, shell_script, slurm_script
-    from flows.config import ConfigError
 
     cfg = load_config(args.config, args.overrides)
     tls_given = [args.tls_ca_file, args.tls_cert, args.tls_key]

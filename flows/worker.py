@@ -22,6 +22,7 @@ between tasks.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Optional
@@ -43,6 +44,26 @@ from storage.policies import PolicyRef
 from storage.prompt_files import dataset_stamp
 
 __all__ = ["WorkerState", "state", "phase_threads", "set_threads", "worker_name", "engine_settings", "data_stamp"]
+
+
+class TaskFailureInOneLine(logging.Filter):
+    """Dask's worker logs a failed task as an ERROR holding the task's repr and its traceback. The
+    driver raises the same error with that traceback chained (and ``grpoflow run`` writes it to the
+    run's error.txt), so on the worker the record is cut to one WARNING line: ``task <key> failed:
+    <exception>``. A stateless task that fails and is retried elsewhere still leaves that line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.startswith("Compute Failed") and \
+                isinstance(record.args, tuple) and len(record.args) == 5:
+            key, _, _, exception, _ = record.args
+            record.msg, record.args = "task %s failed: %s", (key, exception)
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+# Installed in every worker process that runs a grpoflow task: its function's module imports this one.
+if not any(isinstance(f, TaskFailureInOneLine) for f in logging.getLogger("distributed.worker").filters):
+    logging.getLogger("distributed.worker").addFilter(TaskFailureInOneLine())
 
 
 @dataclass

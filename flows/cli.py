@@ -18,9 +18,6 @@ __all__ = ["main"]
 _OVERRIDES_HELP = "optional key=value overrides of the config, e.g. iterations=5 train.schedule=gpipe"
 
 
-_ERROR_FILE = "error.txt"  # in the run folder: the traceback of the step that ended a run
-
-
 def _cmd_run(args: argparse.Namespace) -> int:
     from flows.config import load_config
     from flows.iteration import IterationError
@@ -44,8 +41,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except IterationError as exc:
         if _disk_full(exc) is not None:
             raise  # main() says so in one line; the disk has no room for a traceback
-        path = Path(folder.root) / _ERROR_FILE
-        path.write_text("".join(traceback.format_exception(exc)))
+        path = folder.save_error("".join(traceback.format_exception(exc)))
         print(f"grpoflow: {exc}\nthe traceback is in {path}; the same command resumes the run from the stages it "
               "completed", file=sys.stderr)
         return 1

@@ -2,6 +2,7 @@
 
     <runs_dir>/<run_name>/
         rollouts.zarr/        step groups (storage/rollouts.py)
+        .rollouts.zarr.locks/ their attribute locks (storage/rollouts.py), outside the Zarr hierarchy
         eval.zarr/v<k>/       held-out evaluation of policy version k (storage/evals.py)
         policy/v<k>/          policy versions as HF folders (storage/policies.py)
         timelines/step_<k>.json  Chrome traces of the training ranks
@@ -9,6 +10,7 @@
         mlartifacts/          MLflow artifacts
         summary.json          the run's summary
         run.json              the config the run was started with, its hash and MLflow parent run id
+        error.txt             the traceback of the failed step that last ended the run
     <runs_dir>/.<run_name>.lock  held by the one driver of the run (:meth:`RunFolder.lock`)
     <runs_dir>/_cache/        base policies shared by runs (or $GRPOFLOW_CACHE)
 
@@ -101,6 +103,10 @@ class RunFolder:
     def run_state(self) -> str:
         return f"{self.root}/run.json"
 
+    @property
+    def error_file(self) -> str:
+        return f"{self.root}/error.txt"
+
     def trace(self, step: int) -> str:
         return f"{self.timelines}/step_{step}.json"
 
@@ -184,6 +190,14 @@ class RunFolder:
             raise RunFolderError(f"{self.run_state} holds a JSON {type(state).__name__}, not the run's state object; "
                                  "delete it or start with --new")
         return state
+
+    def save_error(self, text: str) -> str:
+        """Write error.txt, the traceback of the failed step that ended the run; returns its path."""
+        try:
+            Path(self.error_file).write_text(text)
+        except OSError as exc:
+            raise RunFolderError(f"cannot write {self.error_file}: {exc}") from exc
+        return self.error_file
 
     def exists(self) -> bool:
         """Whether a run has stored anything here."""

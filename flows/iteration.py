@@ -687,6 +687,9 @@ def _collect(step: int, values: dict[str, list], stage_seconds: dict[str, float]
         # Pipeline passes of the step and token slots processed per real token (length buckets).
         m.update({k: trains[0].metrics[k] for k in ("lr", "train_passes", "train_token_slots_per_real_token")
                   if k in trains[0].metrics})
+        # Schedules whose first step this was and whose shapes torch inferred (a microbatch's
+        # forward and backward more on every stage): a new length bucket's first pass.
+        m["pipeline_shape_inferences"] = max(r.metrics.get("pipeline_shape_inferences", 0.0) for r in trains)
         m["publish_bytes"] = sum(r.shard_bytes for r in trains)
         # Activations and gradients between pipeline ranks in the train step, every rank's sends.
         m["pipeline_p2p_bytes"] = sum(r.metrics.get("p2p_send_bytes", 0.0) for r in trains)

@@ -17,7 +17,11 @@ Gradients are exact, i.e. equal to the single-process full-batch gradient, whate
 A step may be several pipeline passes (length buckets, stages/train/buckets.py): each pass shape
 [m microbatches of rows x T] gets its own stages and schedule, built at its first use and cached
 (the modules are shared), so no schedule ever sees a new shape; the passes' gradients accumulate
-before the one optimiser step, exact since every loss weight is global.
+before the one optimiser step, exact since every loss weight is global. torch infers a new
+schedule's tensor shapes by running one microbatch forward and backward through every stage; a
+pass whose microbatch shape an earlier schedule already ran (the same bucket, another m) gives
+its stages those shapes instead (:meth:`TrainRank._known_shapes`), so only a bucket's first
+schedule pays for the inference.
 
 Every distributed wait is bounded by ``timeout_s``; a failing rank or disagreeing inputs end the
 call on every rank with an error naming the rank and the cause (stages/train/faults.py).
@@ -165,7 +169,8 @@ class StepResult:
     """What one rank measured in one call: loss metrics (ranks holding the last stage), grad_norm
     and lr (train_step), bubble_fraction, step_seconds, activation_bytes_per_microbatch_stage{i} and
     peak_inflight_stage{i}, train_passes and train_token_slots_per_real_token (training calls;
-    stages/train/buckets.py); its actions; the step window (time.time_ns). A data-parallel
+    stages/train/buckets.py), pipeline_shape_inferences (schedules whose first step this was and
+    whose shapes torch inferred); its actions; the step window (time.time_ns). A data-parallel
     reference pass records no actions, and its bubble_fraction is the rank's time outside its own
     microbatches (the input check and the wait in the reduction)."""
 
@@ -227,6 +232,10 @@ class TrainRank:
         self._pass = -1  # the one running (InjectedFault.step, the failure reports' key)
         self.last_forward: Optional[StepResult] = None
         self._shapes: dict[str, dict[str, str]] = {}  # schedule -> input signature of its first step
+        # (pass kind, one microbatch's input_ids shape) -> the stages of each schedule built for it
+        self._stages_by_shape: dict[tuple, list[list[TimedStage]]] = {}
+        self._static_keys: set[str] = set()  # schedules built with known shapes
+        self._ran: set[str] = set()  # schedules that have run a step
 
     # -- construction -------------------------------------------------------------------------------
     def _build(self, stage: int, tensors: dict[str, torch.Tensor], frozen: bool = False) -> nn.Module:
@@ -252,26 +261,64 @@ class TrainRank:
         load_hf_state(module, {k: tensors[k] for k in names})
         return module.to(self.device).requires_grad_(False).eval()
 
-    def _stage(self, module: nn.Module, index: int, timeline: RankTimeline) -> TimedStage:
-        return TimedStage(module, index, self.layout.num_stages, self.device, group=self.groups.pp, timeline=timeline,
-                          before_forward=self._inject, autocast=self.autocast)
+    def _stage(self, module: nn.Module, index: int, timeline: RankTimeline,
+               example: Optional[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = None) -> TimedStage:
+        """``example``: (input args, outputs) of one microbatch, meta tensors of its shapes: torch then
+        skips its shape inference (None: it runs one microbatch through the stage at the first step)."""
+        inputs, outputs = example or (None, None)
+        return TimedStage(module, index, self.layout.num_stages, self.device, input_args=inputs, output_args=outputs,
+                          group=self.groups.pp, timeline=timeline, before_forward=self._inject, autocast=self.autocast)
 
     def _forward_only(self, modules: list[nn.Module], num_microbatches: int) -> ForwardOnlySchedule:
-        chunk = self.setup.logprob_chunk_tokens
-        stages = [self._stage(LogpStage(m, self.setup.loss.temperature, chunk), s, self.forward_timeline)
-                  for m, s in zip(modules, self.stage_ids)]
-        return ForwardOnlySchedule(stages, num_microbatches, self.layout.stage_to_rank())
+        return ForwardOnlySchedule(self._logp_stages(modules), num_microbatches, self.layout.stage_to_rank())
 
-    def _schedule_for(self, what: str, key: str, m: int):
-        """The cached schedule of pass ``key`` (built at its first use: new stages over the same modules)."""
+    def _logp_stages(self, modules: list[nn.Module], examples: Optional[list] = None) -> list[TimedStage]:
+        chunk = self.setup.logprob_chunk_tokens
+        return [self._stage(LogpStage(m, self.setup.loss.temperature, chunk), s, self.forward_timeline, example)
+                for m, s, example in zip(modules, self.stage_ids, examples or [None] * len(modules))]
+
+    def _schedule_for(self, what: str, key: str, m: int, rows_shape: tuple[int, ...]):
+        """The cached schedule of pass ``key`` (built at its first use: new stages over the same
+        modules). ``rows_shape``: this rank's input_ids of the pass, [m x rows, T]."""
         if key not in self._schedules:
+            shape = (what, rows_shape[0] // m, *rows_shape[1:])  # one microbatch's input_ids, per kind of pass
+            examples = self._known_shapes(shape) or [None] * len(self.stage_ids)
             if what == "train":
-                stages = [self._stage(mod, s, self.timeline) for mod, s in zip(self.modules, self.stage_ids)]
+                stages = [self._stage(mod, s, self.timeline, example)
+                          for mod, s, example in zip(self.modules, self.stage_ids, examples)]
                 self._schedules[key] = build_train_schedule(self.setup.schedule, stages, m, self._loss_fn())
             else:
-                self._schedules[key] = self._forward_only(
-                    self.reference if what == "reference_logp" else self.modules, m)
+                stages = self._logp_stages(self.reference if what == "reference_logp" else self.modules, examples)
+                self._schedules[key] = ForwardOnlySchedule(stages, m, self.layout.stage_to_rank())
+            self._stages_by_shape.setdefault(shape, []).append(stages)
+            if examples[0] is not None:
+                self._static_keys.add(key)
         return self._schedules[key]
+
+    def _first_use(self, key: str) -> int:
+        """1 when pass ``key``'s schedule runs for the first time and torch infers its shapes, else 0
+        (the metric pipeline_shape_inferences: each one is a microbatch's forward and backward more)."""
+        if key in self._ran:
+            return 0
+        self._ran.add(key)
+        return int(key not in self._static_keys)
+
+    def _known_shapes(self, shape: tuple) -> Optional[list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]]:
+        """Per stage of this rank, (inputs, outputs) as meta tensors of the shapes, strides, dtypes
+        and requires_grad that torch inferred for an earlier schedule of microbatches ``shape``;
+        None before one has run, or where they hold DTensors (tensor parallelism: those need
+        gradient placements too, left to torch's inference). Every rank runs the same passes, so
+        every stage votes the same way (torch's static/dynamic vote would fall back to inference
+        together otherwise)."""
+        def example(meta) -> torch.Tensor:
+            t = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
+            return t.requires_grad_(meta.requires_grad) if meta.requires_grad else t
+
+        for stages in self._stages_by_shape.get(shape, ()):
+            metas = [getattr(stage, "_stage_meta", None) for stage in stages]
+            if all(m is not None and m.is_complete_for_forward() and not m.has_dtensors() for m in metas):
+                return [(tuple(map(example, m.inputs)), tuple(map(example, m.outputs))) for m in metas]
+        return None
 
     def _loss_fn(self):
         """loss_fn(output, target) of the last stage; each microbatch's LossStats go to _stats."""
@@ -416,9 +463,11 @@ class TrainRank:
         self.optimizer.zero_grad(set_to_none=True)
         self.timeline.clear()
         stats: list[LossStats] = []
+        inferences = 0
         t0 = self._now_ns()
         for key, m, local in local_passes:  # gradients accumulate over the passes
-            schedule = self._schedule_for("train", key, m)
+            schedule = self._schedule_for("train", key, m, tuple(local["input_ids"].shape))
+            inferences += self._first_use(key)
             input_ids, target = local.pop("input_ids"), local.pop("target")
             args = (input_ids,) if self.holds_first else ()
             self._stats.clear()
@@ -435,6 +484,7 @@ class TrainRank:
         metrics["bubble_fraction"] = bubble_fraction(self.timeline.actions, t0, t1)
         metrics["step_seconds"] = (t1 - t0) / 1e9
         metrics["train_passes"] = float(len(passes))
+        metrics["pipeline_shape_inferences"] = float(inferences)
         if getattr(batch, "slots_per_real_token", None) is not None:
             metrics["train_token_slots_per_real_token"] = float(batch.slots_per_real_token)
         metrics.update(self.timeline.stash_metrics(), **self.timeline.p2p_metrics())
@@ -542,17 +592,19 @@ class TrainRank:
             inputs = [(mb, {"input_ids": ids, "next_ids": nxt.long(), **kw}) for mb, ids, nxt, kw in passes]
             local_passes = self._pass_inputs(call, what, inputs)
             self.forward_timeline.clear()
-            outs = []
+            outs, inferences = [], 0
             t0 = self._now_ns()
             for key, m, local in local_passes:
-                schedule = self._schedule_for(what, key, m)
+                schedule = self._schedule_for(what, key, m, tuple(local["input_ids"].shape))
+                inferences += self._first_use(key)
                 input_ids = local.pop("input_ids")
                 args = (input_ids,) if self.holds_first else ()
                 with timed_p2p():
                     outs.append(schedule.step(*args, **local))
             t1 = self._now_ns()
             metrics = {"bubble_fraction": bubble_fraction(self.forward_timeline.actions, t0, t1),
-                       "step_seconds": (t1 - t0) / 1e9, **self.forward_timeline.stash_metrics()}
+                       "step_seconds": (t1 - t0) / 1e9, "pipeline_shape_inferences": float(inferences),
+                       **self.forward_timeline.stash_metrics()}
             self.last_forward = StepResult(self.rank, metrics, list(self.forward_timeline.actions), (t0, t1))
             if not self.holds_last:
                 return None

@@ -176,3 +176,33 @@ def test_ranks_disagreeing_on_the_passes_fail_together_and_recover():
         assert out.errors[1] is None
     want = full_batch_grads(model, arrays_for(model, STEP_A, seed=1), "token-mean")
     assert worst_diff(merged(outputs, 1, 1e-6), want) <= 1e-6
+
+
+@pytest.mark.parametrize("schedule, virtual", [("1f1b", 1), ("zbv", 2)])
+def test_a_known_microbatch_shape_skips_the_inference_bit_for_bit(schedule, virtual):
+    """With one pass per bucket, step B's widest-bucket pass has 10 microbatches and step A's 4: a
+    schedule of A built after B's takes B's tensor shapes instead of torch's inference, and gives
+    the gradients and log-probs of a schedule whose shapes were inferred, bit for bit."""
+    cfg = make_decoder_config()
+    model = make_model(cfg)
+    m = microbatches_per_pass(schedule, 2, virtual)
+    layout = bucketed_layout(len(STEP_A), G, PROMPT_WIDTH, MAX_NEW, BUDGET, WIDTHS, False, m, 1, None,
+                             (schedule, 2, virtual))
+    a = build_global_batch(arrays_for(model, STEP_A, seed=1), "token-mean", 0, layout)
+    b = build_global_batch(arrays_for(model, STEP_B, seed=2), "token-mean", 0, layout)
+    widest = len(layout.buckets) - 1
+    assert a.plan.pass_bucket == (widest, 0) and b.plan.pass_bucket == (widest,)
+    assert a.plan.pass_microbatches[0] != b.plan.pass_microbatches[0]  # the same shape, another m
+    setup = TrainSetup(model=cfg, pipeline_parallel_size=2, num_microbatches=m, schedule=schedule,
+                       virtual_stages=virtual, loss=LOSS, timeout_s=60)
+    after_b = run_local_pipeline(setup, hf_state(model), [b, a, b, a], calls=["grad", "grad", "proximal", "proximal"])
+    alone = run_local_pipeline(setup, hf_state(model), [a, a], calls=["grad", "proximal"])
+    for known, inferred in zip(after_b, alone):
+        inferences = lambda out, call: out.steps[call].metrics["pipeline_shape_inferences"]  # noqa: E731
+        assert [inferences(known, c) for c in range(4)] == [1, 1, 1, 1]  # A: only its narrow pass inferred
+        assert [inferences(inferred, c) for c in range(2)] == [2, 2]
+        assert set(known.grads[1]) == set(inferred.grads[0]) and known.grads[1]
+        for name, g in inferred.grads[0].items():
+            assert torch.equal(known.grads[1][name], g), name
+    got = [(k.logps[3], i.logps[1]) for k, i in zip(after_b, alone) if i.logps[1] is not None]
+    assert len(got) == 1 and torch.equal(*got[0])

@@ -326,14 +326,27 @@ class GRPOConfig:
     @property
     def length_buckets(self) -> Optional[tuple[int, ...]]:
         """train.length_buckets resolved: auto is stages/train/auto.py ``auto_length_buckets`` of the
-        prompt width and rollout.max_new_tokens (None with train.pack_row_tokens set); None: every
-        step is one pass shaped for the worst case."""
+        prompt width, rollout.max_new_tokens, the token budget and the model's attention share (None
+        with train.pack_row_tokens set); None: every step is one pass shaped for the worst case."""
         t = self.train
         if t.length_buckets != "auto":
             return None if t.length_buckets is None else tuple(t.length_buckets)
         if t.pack_row_tokens is not None:
             return None
-        return auto_length_buckets(self.prompt_width, self.rollout.max_new_tokens)
+        from stages.perf.flops import attention_share  # here: the planner, which it imports, imports this module
+
+        S = self.prompt_width + self.rollout.max_new_tokens
+        packed = t.packing is not False  # auto packs with buckets; a 2S row holds two or more sequences packed
+        return auto_length_buckets(self.prompt_width, self.rollout.max_new_tokens,
+                                   budget=self.token_budget if packed else None,
+                                   attention_share=attention_share(self.model_shape, S))
+
+    @property
+    def token_budget(self) -> int:
+        """B, the token slots of one microbatch: train.max_tokens_per_microbatch, else
+        train.micro_batch_size x S (S = prompt width + rollout.max_new_tokens)."""
+        t = self.train
+        return t.max_tokens_per_microbatch or t.micro_batch_size * (self.prompt_width + self.rollout.max_new_tokens)
 
     @property
     def packing(self) -> bool:
@@ -364,8 +377,7 @@ class GRPOConfig:
         buckets (:attr:`length_buckets`): the buckets' shapes, M = the smallest pass
         (stages/train/buckets.py). Packed or padded as :attr:`packing` says."""
         t = self.train
-        width, new = self.prompt_width, self.rollout.max_new_tokens
-        budget = t.max_tokens_per_microbatch or t.micro_batch_size * (width + new)
+        width, new, budget = self.prompt_width, self.rollout.max_new_tokens, self.token_budget
         buckets, packing = self.length_buckets, self.packing
         if buckets is not None:
             m = microbatches_per_pass(t.schedule, t.pipeline_model_parallel_size,

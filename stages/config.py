@@ -431,14 +431,17 @@ class TrainConfig:
     microbatch (the varlen layout). Short rows keep dense attention cheap."""
     length_buckets: Optional[Union[list[int], str]] = "auto"
     """Row widths T_b of length buckets, e.g. [16, 32, 64] (the longest sequence S = prompt width +
-    max_new_tokens is always the last). Set: a step runs a variable number of pipeline passes, each
+    max_new_tokens is always one; packed, widths above S, up to the budget, are rows that hold two
+    or more sequences). Set: a step runs a variable number of pipeline passes, each
     of one bucket's fixed row shape [budget // T_b rows, T_b] and as many microbatches as the
     bucket's groups fill (see max_microbatches_per_pass), a group going to the narrowest bucket
     holding its longest sequence; gradients accumulate over the passes before one optimiser step
     (stages/train/buckets.py). Unset (null): every step is one pass shaped for the worst case (every
     completion at max_new_tokens). auto: powers of two from 16 up to S / 2, then S (S = 71: [16, 32,
-    71], packed, half the bench shape's worst-case step time), or unset when S < 32 (the tiny
-    config's 13: buckets changed nothing there); unset too with pack_row_tokens
+    71], packed, half the bench shape's worst-case step time), then 2S when not padded, the budget
+    holds a 2S row and dense attention over S more keys costs at most 10% of a token's layer FLOPs
+    (SmolLM2 at 4.7%: [16, 32, 64, 144, 288], 10-25% fewer slots a step); unset when S < 32 (the
+    tiny config's 13: buckets changed nothing there); unset too with pack_row_tokens
     (stages/train/auto.py; docs/performance.md, "Defaults and what auto picks")."""
     max_microbatches_per_pass: Optional[int] = None
     """With length_buckets: the most microbatches (per data-parallel rank) one pass runs. Unset: one

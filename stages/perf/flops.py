@@ -52,7 +52,7 @@ from planner.model import ModelShape as PlannerShape
 from planner.model import estimate_forward_flops_per_token
 from stages.layout import ModelShape
 
-__all__ = ["STEP_PHASES", "forward_flops", "score_flops", "reference_flops", "train_flops", "rollout_flops",
+__all__ = ["STEP_PHASES", "attention_share", "forward_flops", "score_flops", "reference_flops", "train_flops", "rollout_flops",
            "step_model_flops", "mfu"]
 
 STEP_PHASES = ("rollout", "reference", "train")
@@ -100,6 +100,15 @@ def _lengths(prompt_lens: Sequence[int], completion_lens: Sequence[int]) -> tupl
     if p.size and (p.min() < 1 or c.min() < 0):
         raise ValueError(f"prompt lengths must be >= 1 and completion lengths >= 0 (got min {p.min()}, {c.min()})")
     return p, c
+
+
+def attention_share(shape: ModelShape, keys: int) -> float:
+    """K * keys / W: the attention FLOPs of a token that attends ``keys`` keys, over its layers'
+    weight FLOPs. A packed row of width T runs attention under a dense mask, every token against all
+    T keys, so widening packed rows by T' costs about attention_share(shape, T') more per slot in
+    model FLOPs (stages/train/auto.py ``auto_length_buckets``)."""
+    k = _per_token(shape)
+    return k.per_key * keys / k.weights
 
 
 def forward_flops(shape: ModelShape, seq_lens: Sequence[int]) -> float:

@@ -2,7 +2,9 @@
 
 A pipeline's shapes are fixed after its first step, so the single-layout plan (plan.py) shapes
 every row for the worst case, S = prompt width + max_new_tokens. With buckets, a run has a small
-fixed set of row widths T_1 < ... < T_n = S (``train.length_buckets``, S always last). Bucket b
+fixed set of row widths T_1 < ... < T_k = S (``train.length_buckets``, S always among them), and,
+packed, widths above S too: rows that hold two or more sequences of up to S each (a sequence never
+straddles rows). Bucket b
 has its own fixed microbatch shape [rows_b, T_b], rows_b = B // T_b (B the token budget), and its
 own pipeline schedule, built once; the schedules share the modules. A step runs a VARIABLE number
 of passes, each one ``schedule.step`` of one bucket over D x m microbatches (m per data-parallel
@@ -139,8 +141,8 @@ def bucketed_layout(num_groups: int, group_size: int, prompt_width: int, max_new
                     max_tokens_per_microbatch: int, widths: Sequence[int], packing: bool,
                     microbatches: int, data_parallel_size: int = 1, max_microbatches: Optional[int] = -1,
                     schedule: tuple[str, int, int] = ("1f1b", 1, 1)) -> BucketedLayout:
-    """Buckets of the given row widths (those below S kept, S added) under a budget of B slots per
-    microbatch, at least ``microbatches`` (m) per data-parallel rank and pass and at most
+    """Buckets of the given row widths (those below S kept, S added; packed, also those above S up
+    to B, each holding sequences of up to S) under a budget of B slots per microbatch, at least ``microbatches`` (m) per data-parallel rank and pass and at most
     ``max_microbatches`` (-1: exactly m in every pass; None: no cap), valid counts of ``schedule``
     (name, pipeline ranks, stages per rank). Raises ValueError naming the key."""
     S = prompt_width + max_new_tokens
@@ -161,9 +163,9 @@ def bucketed_layout(num_groups: int, group_size: int, prompt_width: int, max_new
                                            schedule_error(schedule[0], schedule[1], max_microbatches, schedule[2])):
         raise ValueError(f"train.max_microbatches_per_pass={max_microbatches} must be a microbatch count that "
                          f"train.schedule={schedule[0]} runs, >= {microbatches} (or unset)")
-    kept = sorted({int(w) for w in widths if w < S} | {S})
+    kept = sorted({int(w) for w in widths if w < S or (packing and S < w <= B)} | {S})
     per_pass = data_parallel_size * microbatches
-    buckets = tuple(MicrobatchLayout(per_pass, B // w, w, group_size, num_groups, w, packing) for w in kept)
+    buckets = tuple(MicrobatchLayout(per_pass, B // w, w, group_size, num_groups, min(w, S), packing) for w in kept)
     return BucketedLayout(buckets, microbatches, data_parallel_size, max_microbatches, tuple(schedule))
 
 

@@ -27,18 +27,22 @@ def test_tiny_resolves_to_the_old_defaults():
     assert cfg.num_microbatches == old.num_microbatches == 8
 
 
-def test_bench_resolves_to_the_tuned_flags():
+def test_bench_resolves_to_the_tuned_flags_and_a_2s_row():
     cfg = load_config("configs/tiny.yaml", BENCH)
-    assert (cfg.length_buckets, cfg.packing, cfg.logprob_chunk_tokens) == ((16, 32, 71), True, None)
-    tuned = load_config("configs/tiny.yaml", [*BENCH, "train.length_buckets=[16,32,71]", "train.packing=true"])
+    # the tuned [16, 32, 71] and packed rows of 2S = 142 (attention share 2.5%, budget 568 slots)
+    assert (cfg.length_buckets, cfg.packing, cfg.logprob_chunk_tokens) == ((16, 32, 71, 142), True, None)
+    tuned = load_config("configs/tiny.yaml", [*BENCH, "train.length_buckets=[16,32,71,142]", "train.packing=true"])
     assert isinstance(cfg.microbatch_layout, BucketedLayout) and cfg.microbatch_layout == tuned.microbatch_layout
-    assert [(b.rows, b.seq_len, b.packing) for b in cfg.microbatch_layout.buckets] == [
-        (35, 16, True), (17, 32, True), (8, 71, True)]  # B = 568 slots: 568 // 16, 568 // 32, 568 // 71
+    # B = 568 slots: 568 // 16, 568 // 32, 568 // 71, 568 // 142; the 142-wide rows hold sequences of up to 71
+    assert [(b.rows, b.seq_len, b.max_seq_len, b.packing) for b in cfg.microbatch_layout.buckets] == [
+        (35, 16, 16, True), (17, 32, 32, True), (8, 71, 71, True), (4, 142, 71, True)]
+    padded = load_config("configs/tiny.yaml", [*BENCH, "train.packing=false"])
+    assert padded.length_buckets == (16, 32, 71)  # a padded row holds one sequence: no 2S bucket
 
 
 @pytest.mark.parametrize("overrides, expected", [
     (["train.length_buckets=null"], (None, False)),  # one pass for the worst case, padded
-    (["train.packing=false"], ((16, 32, 71), False)),  # padded buckets
+    (["train.packing=false"], ((16, 32, 71), False)),  # padded buckets, no 2S row
     (["train.length_buckets=null", "train.packing=true"], (None, True)),  # the packed worst-case layout
     (["train.length_buckets=[10,40]"], ((10, 40), True)),  # explicit widths, packed by auto
     (["train.pack_row_tokens=142"], (None, True)),  # packed rows of 142 instead of buckets
@@ -68,7 +72,10 @@ def test_seed_70b_config_loads_with_auto_buckets():
                     reason="models/smollm2-135m-instruct absent (make model)")
 def test_smollm2_config_loads_with_its_chunk_size_and_auto_buckets():
     cfg = load_config("configs/smollm2-arithmetic.yaml")  # S = 96 + 48, vocabulary 49,152
-    assert (cfg.length_buckets, cfg.packing, cfg.logprob_chunk_tokens) == ((16, 32, 64, 144), True, 256)
+    # micro_batch_size 4: a budget of 576 slots holds two packed rows of 2S = 288
+    assert (cfg.length_buckets, cfg.packing, cfg.logprob_chunk_tokens) == ((16, 32, 64, 144, 288), True, 256)
+    assert [(b.rows, b.seq_len, b.max_seq_len) for b in cfg.microbatch_layout.buckets][-2:] == [(4, 144, 144),
+                                                                                              (2, 288, 144)]
 
 
 def _pretrained_folder(tmp_path: Path) -> Path:

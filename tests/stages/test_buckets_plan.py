@@ -105,6 +105,23 @@ def test_microbatches_per_pass_is_the_smallest_the_schedule_runs(schedule, pp, v
     assert microbatches_per_pass(schedule, pp, virtual) == m
 
 
+def test_packed_rows_wider_than_s_hold_several_sequences_by_hand():
+    # S = 5 + 6 = 11, B = 44, width 22 = 2S: rows of [4, 11] and [2, 22]; 12 sequences of 6 tokens.
+    layout = bucketed_layout(3, 4, 5, 6, 44, (22,), packing=True, microbatches=2)
+    assert [(b.rows, b.seq_len, b.max_seq_len) for b in layout.buckets] == [(4, 11, 11), (2, 22, 11)]
+    assert layout.max_seq_len == 11
+    seq = np.full(12, 6)
+    plan = plan_passes(seq, layout)
+    # 11-wide rows hold one sequence each: 12 rows, 3 microbatches, two passes of m = 2 (176 slots).
+    # 22-wide rows hold three: 4 rows, 2 microbatches, one pass (88 slots).
+    assert plan.pass_bucket == (1,) and plan.pass_microbatches == (2,) and plan.num_slots == 88
+    assert sorted(plan.start.tolist()) == [0] * 4 + [6] * 4 + [12] * 4
+    padded = bucketed_layout(3, 4, 5, 6, 44, (22,), packing=False, microbatches=2)
+    assert padded.widths == (11,)  # a padded row holds one sequence: wider rows are dropped
+    assert plan_passes(seq, padded).num_slots == 176
+    assert bucketed_layout(3, 4, 5, 6, 21, (22,), packing=True, microbatches=2).widths == (11,)  # over the budget
+
+
 def test_power_of_two_widths():
     assert power_of_two_widths(71) == (8, 16, 32, 64, 71)
     assert power_of_two_widths(13) == (8, 13)
@@ -116,7 +133,7 @@ def test_every_sample_has_its_own_slots_in_a_wide_enough_row(seed):
     G, groups, Pw, new = int(rng.integers(1, 6)), int(rng.integers(1, 12)), 4, int(rng.integers(2, 20))
     S = Pw + new
     packing, m, D = bool(rng.integers(2)), int(rng.integers(1, 4)), int(rng.integers(1, 3))
-    widths = sorted(set(rng.integers(2, S + 1, 3).tolist()))
+    widths = sorted(set(rng.integers(2, 2 * S + 1, 3).tolist()))  # packed, those above S are wide rows
     layout = bucketed_layout(groups, G, Pw, new, int(rng.integers(S, 4 * S)), widths, packing, m, D)
     seq = rng.integers(1, S + 1, groups * G)
     plan = plan_passes(seq, layout)
@@ -125,6 +142,7 @@ def test_every_sample_has_its_own_slots_in_a_wide_enough_row(seed):
     for i in range(len(seq)):
         bucket = layout.buckets[plan.pass_bucket[plan.sample_pass[i]]]
         assert 0 <= plan.row[i] < bucket.total_rows and plan.start[i] + seq[i] <= bucket.seq_len
+        assert seq[i] <= bucket.max_seq_len <= S
         assert packing or plan.start[i] == 0
         cells = {(int(plan.sample_pass[i]), int(plan.row[i]), c) for c in range(plan.start[i], plan.start[i] + seq[i])}
         assert not cells & used

@@ -27,6 +27,36 @@ def test_auto_length_buckets_by_hand(prompt_width, max_new_tokens, expected):
     assert auto_length_buckets(prompt_width, max_new_tokens) == expected
 
 
+@pytest.mark.parametrize("prompt_width, max_new_tokens, budget, share, expected", [
+    (96, 48, 576, 0.0469, (16, 32, 64, 144, 288)),  # SmolLM2 at micro_batch_size 4: two 288-wide rows
+    (96, 48, 288, 0.0469, (16, 32, 64, 144, 288)),  # a budget of exactly one 2S row
+    (96, 48, 287, 0.0469, (16, 32, 64, 144)),  # the budget holds no 2S row
+    (7, 64, 568, 0.0251, (16, 32, 71, 142)),  # bench, micro_batch_size 8
+    (96, 48, 576, 0.10, (16, 32, 64, 144, 288)),  # the limit itself
+    (96, 48, 576, 0.1001, (16, 32, 64, 144)),  # attention too dear against the layers
+    (96, 48, None, 0.0469, (16, 32, 64, 144)),  # no budget, no share: S last, as above
+    (96, 48, 576, None, (16, 32, 64, 144)),
+    (7, 6, 832, 0.001, None),  # tiny: no buckets at all
+])
+def test_auto_length_buckets_add_a_packed_2s_row_where_it_is_cheap(prompt_width, max_new_tokens, budget, share,
+                                                                    expected):
+    assert auto_length_buckets(prompt_width, max_new_tokens, budget=budget, attention_share=share) == expected
+
+
+def test_attention_share_by_hand():
+    """K * keys / W with K = 4 L q_dim and W = 2 L (layer weights), SmolLM2-135M's shape: q_dim =
+    9 x 64 = 576; a layer's weights q 576^2, k and v 576 x 192 each, o 576^2, the MLP 3 x 576 x
+    1,536, and two RMSNorms of 576 (the planner counts them too): 3,540,096."""
+    from stages.layout import ModelShape
+    from stages.perf.flops import attention_share
+
+    shape = ModelShape(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                       num_key_value_heads=3, head_dim=64, vocab_size=49152)
+    layer = 2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536 + 2 * 576
+    assert layer == 3_540_096
+    assert attention_share(shape, 144) == pytest.approx(4 * 576 * 144 / (2 * layer), rel=1e-12)
+
+
 def test_auto_packing_needs_buckets_or_a_row_width():
     assert auto_packing(None, None) is False  # tiny: the worst-case layout, padded
     assert auto_packing((16, 32, 71), None) is True  # bench: rows of each bucket's width

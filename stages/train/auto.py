@@ -61,7 +61,7 @@ def auto_length_buckets(prompt_width: int, max_new_tokens: int, smallest: int = 
     groups there only where that saves slots (stages/train/buckets.py); padded rows drop it.
 
     tiny (7 + 6 = 13): None; bench (7 + 64 = 71, budget 8 x 71, share 2.5%): (16, 32, 71, 142);
-    SmolLM2 (96 + 48 = 144, budget 4 x 144, share 4.7%): (16, 32, 64, 144, 288); buckets the step's
+    SmolLM2 (96 + 48 = 144, budget 2 x 144, share 4.7%): (16, 32, 64, 144, 288); buckets the step's
     groups do not reach cost nothing (their schedules are built at first use)."""
     S = prompt_width + max_new_tokens
     widths = tuple(w for w in power_of_two_widths(S, smallest)[:-1] if 2 * w <= S)

@@ -72,10 +72,10 @@ def test_seed_70b_config_loads_with_auto_buckets():
                     reason="models/smollm2-135m-instruct absent (make model)")
 def test_smollm2_config_loads_with_its_chunk_size_and_auto_buckets():
     cfg = load_config("configs/smollm2-arithmetic.yaml")  # S = 96 + 48, vocabulary 49,152
-    # micro_batch_size 4: a budget of 576 slots holds two packed rows of 2S = 288
+    # micro_batch_size 2: a budget of 288 slots holds one packed row of 2S = 288
     assert (cfg.length_buckets, cfg.packing, cfg.logprob_chunk_tokens) == ((16, 32, 64, 144, 288), True, 256)
-    assert [(b.rows, b.seq_len, b.max_seq_len) for b in cfg.microbatch_layout.buckets][-2:] == [(4, 144, 144),
-                                                                                              (2, 288, 144)]
+    assert [(b.rows, b.seq_len, b.max_seq_len) for b in cfg.microbatch_layout.buckets][-2:] == [(2, 144, 144),
+                                                                                              (1, 288, 144)]
 
 
 def _pretrained_folder(tmp_path: Path) -> Path:

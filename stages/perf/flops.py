@@ -52,8 +52,8 @@ from planner.model import ModelShape as PlannerShape
 from planner.model import estimate_forward_flops_per_token
 from stages.layout import ModelShape
 
-__all__ = ["STEP_PHASES", "attention_share", "forward_flops", "score_flops", "reference_flops", "train_flops", "rollout_flops",
-           "step_model_flops", "mfu"]
+__all__ = ["STEP_PHASES", "attention_share", "forward_flops", "score_flops", "reference_flops", "train_flops",
+           "rollout_flops", "step_model_flops", "mfu"]
 
 STEP_PHASES = ("rollout", "reference", "train")
 """Keys of :func:`step_model_flops`."""

@@ -35,8 +35,9 @@ from typing import Optional, Sequence
 
 from stages.train.buckets import power_of_two_widths
 
-__all__ = ["MIN_BUCKET_WIDTH", "WIDE_ROW_MAX_ATTENTION_SHARE", "CHUNKED_LOGPROB_MIN_VOCAB", "LOGPROB_CHUNK_TOKENS", "BUILTIN_MODEL_LR",
-           "PRETRAINED_LR", "auto_length_buckets", "auto_packing", "auto_logprob_chunk_tokens", "auto_lr"]
+__all__ = ["MIN_BUCKET_WIDTH", "WIDE_ROW_MAX_ATTENTION_SHARE", "CHUNKED_LOGPROB_MIN_VOCAB", "LOGPROB_CHUNK_TOKENS",
+           "BUILTIN_MODEL_LR", "PRETRAINED_LR", "auto_length_buckets", "auto_packing", "auto_logprob_chunk_tokens",
+           "auto_lr"]
 
 WIDE_ROW_MAX_ATTENTION_SHARE = 0.10  # a 2S packed row when its extra attention costs at most this (docstring)
 MIN_BUCKET_WIDTH = 16  # narrowest auto bucket: the bench's tuned [16, 32, 71]; 8 holds a 7-token prompt + 1

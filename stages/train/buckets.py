@@ -4,12 +4,12 @@ A pipeline's shapes are fixed after its first step, so the single-layout plan (p
 every row for the worst case, S = prompt width + max_new_tokens. With buckets, a run has a small
 fixed set of row widths T_1 < ... < T_k = S (``train.length_buckets``, S always among them), and,
 packed, widths above S too: rows that hold two or more sequences of up to S each (a sequence never
-straddles rows). Bucket b
-has its own fixed microbatch shape [rows_b, T_b], rows_b = B // T_b (B the token budget), and its
-own pipeline schedule, built once; the schedules share the modules. A step runs a VARIABLE number
-of passes, each one ``schedule.step`` of one bucket over D x m microbatches (m per data-parallel
-rank), and the gradients of all its passes accumulate before the one optimiser step. That is exact
-because every loss weight already carries its global-batch denominator (batch.py).
+straddles rows). Bucket b has its own fixed microbatch shape [rows_b, T_b], rows_b = B // T_b (B
+the token budget), and its own pipeline schedule, built once; the schedules share the modules. A
+step runs a VARIABLE number of passes, each one ``schedule.step`` of one bucket over D x m
+microbatches (m per data-parallel rank), and the gradients of all its passes accumulate before
+the one optimiser step. That is exact because every loss weight already carries its global-batch
+denominator (batch.py).
 
 Placement, a deterministic function of the stored lengths (so every rank plans the same passes):
 
@@ -142,9 +142,10 @@ def bucketed_layout(num_groups: int, group_size: int, prompt_width: int, max_new
                     microbatches: int, data_parallel_size: int = 1, max_microbatches: Optional[int] = -1,
                     schedule: tuple[str, int, int] = ("1f1b", 1, 1)) -> BucketedLayout:
     """Buckets of the given row widths (those below S kept, S added; packed, also those above S up
-    to B, each holding sequences of up to S) under a budget of B slots per microbatch, at least ``microbatches`` (m) per data-parallel rank and pass and at most
-    ``max_microbatches`` (-1: exactly m in every pass; None: no cap), valid counts of ``schedule``
-    (name, pipeline ranks, stages per rank). Raises ValueError naming the key."""
+    to B, each holding sequences of up to S) under a budget of B slots per microbatch, at least
+    ``microbatches`` (m) per data-parallel rank and pass and at most ``max_microbatches`` (-1:
+    exactly m in every pass; None: no cap), valid counts of ``schedule`` (name, pipeline ranks,
+    stages per rank). Raises ValueError naming the key."""
     S = prompt_width + max_new_tokens
     B = max_tokens_per_microbatch
     if B < S:

@@ -225,6 +225,7 @@ class TrainRank:
         self._schedules: dict[str, object] = {"train": self.schedule, "proximal_logp": self.prox_schedule}
         if self.reference:
             self._schedules["reference_logp"] = self._forward_only(self.reference, setup.num_microbatches)
+        self._inference_pending: set[str] = set(self._schedules)  # schedules whose first step infers shapes
         self.params = unique_parameters(self.modules)
         self.head_local = head_local_parameters(self.modules)  # TP sums their per-head gradient shares
         self.optimizer = torch.optim.AdamW(self.params, lr=setup.lr, weight_decay=setup.weight_decay)
@@ -234,8 +235,6 @@ class TrainRank:
         self._shapes: dict[str, dict[str, str]] = {}  # schedule -> input signature of its first step
         # (pass kind, one microbatch's input_ids shape) -> the stages of each schedule built for it
         self._stages_by_shape: dict[tuple, list[list[TimedStage]]] = {}
-        self._static_keys: set[str] = set()  # schedules built with known shapes
-        self._ran: set[str] = set()  # schedules that have run a step
 
     # -- construction -------------------------------------------------------------------------------
     def _build(self, stage: int, tensors: dict[str, torch.Tensor], frozen: bool = False) -> nn.Module:
@@ -291,17 +290,17 @@ class TrainRank:
                 stages = self._logp_stages(self.reference if what == "reference_logp" else self.modules, examples)
                 self._schedules[key] = ForwardOnlySchedule(stages, m, self.layout.stage_to_rank())
             self._stages_by_shape.setdefault(shape, []).append(stages)
-            if examples[0] is not None:
-                self._static_keys.add(key)
+            if examples[0] is None:
+                self._inference_pending.add(key)
         return self._schedules[key]
 
     def _first_use(self, key: str) -> int:
         """1 when pass ``key``'s schedule runs for the first time and torch infers its shapes, else 0
         (the metric pipeline_shape_inferences: each one is a microbatch's forward and backward more)."""
-        if key in self._ran:
+        if key not in self._inference_pending:
             return 0
-        self._ran.add(key)
-        return int(key not in self._static_keys)
+        self._inference_pending.remove(key)
+        return 1
 
     def _known_shapes(self, shape: tuple) -> Optional[list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]]:
         """Per stage of this rank, (inputs, outputs) as meta tensors of the shapes, strides, dtypes

@@ -18,8 +18,8 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from stages.config import (AdvantageConfig, ConfigError, ModelConfig, RewardConfig, RolloutConfig, TaskConfig,
-                           TrainConfig, WarmupConfig, require)
+from stages.config import (AdvantageConfig, ConfigError, ModelConfig, OffPolicyConfig, RewardConfig, RolloutConfig,
+                           TaskConfig, TrainConfig, WarmupConfig, effective_off_policy, require)
 from stages.data import DatasetConfig, DatasetError
 from stages.eval import EvalConfig
 from stages.layout import ModelShape, balanced_layer_split, layer_split_error, parallel_layout_error, shape_from_hf
@@ -279,6 +279,26 @@ class GRPOConfig:
                                     chunked_new_tokens=None if self.logprob_chunk_tokens is None else new)
         return balanced_layer_split(shape.num_hidden_layers,
                                     t.pipeline_model_parallel_size * t.virtual_pipeline_model_parallel_size, head)
+
+    @property
+    def engine_dtype(self) -> str:
+        """rollout.dtype resolved by the engines' rule (stages/rollout/engine.py ``engine_placement``):
+        auto is bfloat16 where they run on CUDA (rollout.device cuda or cuda:N, or auto where this
+        process's torch sees a GPU), float32 on the CPU."""
+        r = self.rollout
+        if r.dtype != "auto":
+            return r.dtype
+        if r.device != "auto":
+            return "bfloat16" if r.device.startswith("cuda") else "float32"
+        import torch  # here: loading a config needs no torch
+
+        return "bfloat16" if torch.cuda.is_available() else "float32"
+
+    @property
+    def off_policy(self) -> OffPolicyConfig:
+        """The loss's off-policy section (stages/config.py effective_off_policy): train.off_policy when
+        set, else decoupled PPO with TIS wherever the behaviour log-probs are not the trainer's own."""
+        return effective_off_policy(self.train, self.rollout.max_staleness, self.rollout.engine, self.engine_dtype)
 
     @property
     def max_model_len(self) -> int:

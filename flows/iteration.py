@@ -48,7 +48,6 @@ from flows.cluster import Pools, lost_workers, worker_addresses
 from flows.config import GRPOConfig, config_hash
 from flows.results import (ProximalResult, ReferenceResult, RolloutResult, ScoreResult, TaskResult, TrainResult,
                            result_of_stage)
-from stages.config import effective_off_policy
 from stages.reward import merge_function_stats
 from storage.policies import PolicyRef
 from storage.rollouts import RolloutStore, StepLayout, StepRef
@@ -90,7 +89,7 @@ def step_stages(cfg: GRPOConfig) -> tuple[str, ...]:
     """The stages of every step: :data:`STAGES` less ``reference`` when nothing reads the
     reference's log-probs (train.uses_reference: kl_beta 0), plus ``proximal`` when the loss is
     decoupled PPO with a stored proximal pass (train.off_policy.proximal = pass)."""
-    opc = effective_off_policy(cfg.train, cfg.rollout.max_staleness, cfg.rollout.engine)
+    opc = cfg.off_policy
     stages = STAGES[:3] + (("proximal",) if opc.decoupled and opc.proximal == "pass" else ()) + STAGES[3:]
     return tuple(s for s in stages if s != "reference" or cfg.train.uses_reference)
 

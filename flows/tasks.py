@@ -126,7 +126,7 @@ def init_train_rank(cfg: GRPOConfig, rank: int, init_method: str, policy: Policy
     model_cfg = DecoderConfig.from_hf(hf_config)
     setup = train_setup(cfg.train, model_cfg, cfg.num_microbatches, cfg.rollout.temperature, _faults_from_env(),
                         cfg.rollout.max_staleness, cfg.reference_parallel, cfg.logprob_chunk_tokens, cfg.layer_split,
-                        cfg.rollout.engine, lr=cfg.lr)
+                        cfg.rollout.engine, lr=cfg.lr, engine_dtype=cfg.engine_dtype)
     names = rank_tensor_names(model_cfg, setup.layout, setup.layout.coord(rank).pp, setup.layer_split)
     _, _, tensors = load_model_folder(policy.path, names=names)
     ref_tensors = None

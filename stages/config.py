@@ -209,12 +209,12 @@ class RolloutConfig:
     else cpu). Resolved on the engine's worker (stages/rollout/engine.py ``engine_placement``)."""
     dtype: str = "auto"
     """The engines' weights and KV cache: float32, bfloat16, float16, or auto (bfloat16 on CUDA,
-    float32 on the CPU). Sampling runs in float32 either way, but in bfloat16 the behaviour
-    log-probs are the bfloat16 model's: the on-policy loss anchors its clip at them, so its ratio at
-    the step's start is the two precisions' difference, not 1; decoupled PPO (train.off_policy)
-    anchors it at the trainer's own log-probs instead and weights tokens by that difference. auto
-    stays float32 on every CPU: bfloat16 paid 1.4-1.7x on a CPU with AVX-512 BF16 and cost 3.7x on
-    one without (the run warns there, docs/performance.md)."""
+    float32 on the CPU). Sampling runs in float32 either way, but below float32 the behaviour
+    log-probs are the lower precision's, not the trainer's: unless train.off_policy is set, the loss
+    is then decoupled PPO (stages/config.py effective_off_policy), its clip anchored at the
+    trainer's own log-probs and each token weighted by the difference. auto stays float32 on every
+    CPU: bfloat16 decoded 1.4-1.7x faster on CPUs with AVX-512 BF16 and 3.7x slower on one without
+    (the run warns there, docs/performance.md)."""
     stop: list[str] = field(default_factory=list)
     """Stop strings: a completion ends at its first token whose text completes one of them (that
     token kept, as the model's EOS is, finish reason stop), e.g. ["</answer>"]; its EOS ids stop it
@@ -487,9 +487,10 @@ class TrainConfig:
     gradient (stages/train/loss.py)."""
     off_policy: Optional[OffPolicyConfig] = None
     """Importance weights and clamps of the loss (stages/train/loss.py OffPolicyConfig). Unset: decoupled
-    PPO with token-level TIS capped at 2 when rollout.max_staleness >= 1 or rollout.engine is not
-    native (the engine/trainer mismatch), the plain on-policy loss otherwise (:func:`effective_off_policy`). Set (any key): exactly this section, whose decoupled
-    defaults to false."""
+    PPO with token-level TIS capped at 2 where the behaviour log-probs are not the trainer's own
+    (rollout.max_staleness >= 1, rollout.engine not native, or bfloat16 or float16 in rollout.dtype
+    or train.dtype), the plain on-policy loss otherwise (:func:`effective_off_policy`). Set (any
+    key): exactly this section, whose decoupled defaults to false."""
     timeout_s: float = 120.0
     """Limit on every distributed wait (process-group init, send/recv, collectives); a failed or stuck
     rank ends the training step on every rank within it."""
@@ -499,9 +500,12 @@ class TrainConfig:
     cpu (stages/train/engine.py ``train_placement``)."""
     dtype: str = "float32"
     """float32, or bfloat16: every forward of the policy and the reference runs under torch.autocast
-    (weights, gradients and AdamW's state stay float32). On a CPU without native bfloat16 (no
-    AVX-512 BF16 or AMX) bfloat16 matmuls are far slower than float32 ones (140x on a 2-core AMD
-    EPYC VM): the run warns with the host's measured rates (docs/performance.md)."""
+    (weights, gradients and AdamW's state stay float32); unless train.off_policy is set, the loss is
+    then decoupled PPO with TIS (effective_off_policy). On a CPU with AVX-512 BF16, bfloat16 here
+    and in rollout.dtype ran SmolLM2's step in 0.76x float32's time with the same held-out accuracy
+    within its noise; on one without, bfloat16 matmuls are far slower than float32 ones (140x on a
+    2-core AMD EPYC VM): the run warns with the host's measured rates (docs/performance.md). It
+    stays float32: the exactness checks and replays across hosts hold in float32."""
     overlong: str = "keep"
     """Completions cut at rollout.max_new_tokens (finish reason "length"): keep trains them like
     finished ones; mask leaves them out of the loss (DAPO's overlong filtering) while they still
@@ -629,19 +633,23 @@ class TrainConfig:
                               self.schedule)
 
 
-# The planner's recommendation for stale rollouts (docs/design-70b/report.md Section 4): decoupled
-# PPO, the clip anchored on the proximal policy, token-level importance weights truncated at 2.
 # The planner's recommendation for staleness >= 1 (docs/design-70b/report.md, Section 4): decoupled
 # PPO anchored on the trainer's current weights, token-level truncated importance weights, cap 2.
 ASYNC_OFF_POLICY = OffPolicyConfig(decoupled=True, proximal="current", is_level="token", is_mode="truncate",
                                    is_cap=2.0)
 
 
-def effective_off_policy(train: TrainConfig, max_staleness: int, engine: str = "native") -> OffPolicyConfig:
+def effective_off_policy(train: TrainConfig, max_staleness: int, engine: str = "native",
+                         engine_dtype: str = "float32") -> OffPolicyConfig:
     """The loss's off-policy section: train.off_policy when set, else :data:`ASYNC_OFF_POLICY`
-    wherever the behaviour log-probs are not the trainer's own (max_staleness >= 1, or a rollout
-    engine other than the trainer's decoder: vLLM's kernels round differently, and TIS weights each
-    token by that engine/trainer mismatch), and the on-policy default otherwise."""
+    wherever the behaviour log-probs are not the trainer's own, and the on-policy default otherwise.
+    They are not its own at max_staleness >= 1; with a rollout engine other than the trainer's
+    decoder (vLLM's kernels round differently); and wherever either side computes in less than
+    float32 (``engine_dtype``, the engines' rollout.dtype resolved, GRPOConfig.engine_dtype; or
+    train.dtype): bfloat16 engines and a bfloat16-autocast trainer round differently, even against
+    each other (KL(behaviour || trainer) 2.4e-3-3.1e-3 per token on SmolLM2 before any update,
+    docs/performance.md). TIS then weights each token by that mismatch."""
     if train.off_policy is not None:
         return train.off_policy
-    return ASYNC_OFF_POLICY if max_staleness >= 1 or engine != "native" else OffPolicyConfig()
+    own = max_staleness == 0 and engine == "native" and engine_dtype == "float32" and train.dtype == "float32"
+    return OffPolicyConfig() if own else ASYNC_OFF_POLICY

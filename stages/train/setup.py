@@ -20,11 +20,11 @@ def train_setup(train: TrainConfig, model_cfg: DecoderConfig, num_microbatches: 
                 reference_parallel: Optional[str] = None,
                 logprob_chunk_tokens: Optional[int] = None,
                 layer_split: Optional[tuple[int, ...]] = None, engine: str = "native",
-                lr: Optional[float] = None) -> TrainSetup:
+                lr: Optional[float] = None, engine_dtype: str = "float32") -> TrainSetup:
     """A training rank's setup: the train section, the model, the per-pipeline microbatch count
     and the rollout temperature (the loss scores log-probs at the sampling temperature);
-    max_staleness and the rollout engine pick the off-policy default (stages/config.py
-    effective_off_policy);
+    max_staleness, the rollout engine and its resolved dtype (GRPOConfig.engine_dtype) pick the
+    off-policy default (stages/config.py effective_off_policy);
     reference_parallel: train.reference_parallel resolved (GRPOConfig.reference_parallel; None:
     the section's own value, or pipeline for auto); logprob_chunk_tokens: train.logprob_chunk_tokens
     resolved (GRPOConfig.logprob_chunk_tokens; None: the section's own value, auto resolved for
@@ -44,7 +44,8 @@ def train_setup(train: TrainConfig, model_cfg: DecoderConfig, num_microbatches: 
         lr=lr if lr is not None else (t.lr if t.lr != "auto" else auto_lr(pretrained=False)), weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm,
         loss=LossConfig(t.clip_eps_low, t.clip_eps_high, t.kl_beta, temperature,
-                        effective_off_policy(t, max_staleness, engine), ratio_level=t.policy_ratio),
+                        effective_off_policy(t, max_staleness, engine, engine_dtype),
+                        ratio_level=t.policy_ratio),
         logprob_chunk_tokens=logprob_chunk_tokens or chunk, timeout_s=t.timeout_s, faults=faults,
         reference_parallel=reference_parallel or (t.reference_parallel if t.reference_parallel != "auto"
                                                   else "pipeline"),

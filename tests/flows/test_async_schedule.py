@@ -15,6 +15,8 @@ from flows.config import load_config
 from flows.config import ConfigError
 from stages.config import ASYNC_OFF_POLICY, effective_off_policy
 from stages.config import OffPolicyConfig
+from stages.policy import DecoderConfig
+from stages.train.setup import train_setup
 
 
 def test_rule_by_hand():
@@ -78,6 +80,20 @@ def test_config_keys(tmp_path):
     assert effective_off_policy(cfg.train, 0) == OffPolicyConfig()
     # vLLM's log-probs are not the trainer's own: TIS weights its tokens by the mismatch, at s = 0 too.
     assert effective_off_policy(cfg.train, 0, "vllm") == ASYNC_OFF_POLICY
+    # Nor are they in bfloat16, on either side: the same loss at s = 0, unless train.off_policy is set.
+    assert effective_off_policy(cfg.train, 0, "native", "bfloat16") == ASYNC_OFF_POLICY
+    for overrides, engine_dtype in ((["train.dtype=bfloat16"], "float32"), (["rollout.dtype=bfloat16"], "bfloat16"),
+                                    (["rollout.device=cuda"], "bfloat16")):  # auto on CUDA: bfloat16
+        bf16 = load_config("configs/tiny.yaml", overrides)
+        assert bf16.engine_dtype == engine_dtype and bf16.off_policy == ASYNC_OFF_POLICY, overrides
+    plain = load_config("configs/tiny.yaml", ["rollout.device=cpu"])
+    assert plain.engine_dtype == "float32" and plain.off_policy == OffPolicyConfig()
+    shape = plain.model.shape(32)  # the training ranks' loss (flows/tasks.py) takes the same section
+    model = DecoderConfig(**{k: getattr(shape, k) for k in shape.__dataclass_fields__})
+    assert train_setup(plain.train, model, 2, 1.0).loss.off_policy == OffPolicyConfig()
+    assert train_setup(plain.train, model, 2, 1.0, engine_dtype="bfloat16").loss.off_policy == ASYNC_OFF_POLICY
+    assert load_config("configs/tiny.yaml", ["train.dtype=bfloat16", "train.off_policy.is_mode=mask"]).off_policy \
+        == OffPolicyConfig(is_mode="mask")
     mine = load_config("configs/tiny.yaml", ["train.off_policy.is_mode=mask"]).train
     assert effective_off_policy(mine, 1).is_mode == "mask" and not effective_off_policy(mine, 1).decoupled
     with pytest.raises(ConfigError, match="cluster.placement=colocated instead"):

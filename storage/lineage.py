@@ -13,6 +13,7 @@ A resumed run continues its parent run (``run_id``).
 from __future__ import annotations
 
 import json
+import logging
 import posixpath
 import sqlite3
 import subprocess
@@ -38,6 +39,25 @@ __all__ = [
     "relocate_artifacts", "rollout_schema",
     "ui_command", "ui_environment",
 ]
+
+
+class _ReraisedDatabaseError(logging.Filter):
+    """Drops MLflow's own record of a SQLAlchemy OperationalError that it then re-raises
+    (mlflow.store.db.utils logs "SQLAlchemy database error" with the whole traceback, then raises an
+    MlflowException with the same message). The raised error is what the caller reports: for a full
+    disk, the CLI's one line (flows/cli.py). Any other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("SQLAlchemy database error")
+
+
+def _quiet_reraised_database_errors() -> None:
+    logger = logging.getLogger("mlflow.store.db.utils")
+    if not any(isinstance(f, _ReraisedDatabaseError) for f in logger.filters):
+        logger.addFilter(_ReraisedDatabaseError())
+
+
+_quiet_reraised_database_errors()
 
 _MAX_PARAM_LEN = 500  # MLflow's limit on a param value's length
 # MLflow 3.x picks an experiment's page (GenAI traces or training runs) from this tag; the values

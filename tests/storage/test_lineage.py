@@ -204,3 +204,25 @@ def test_a_copied_folder_s_store_is_pointed_at_its_own_artifacts(tmp_path):
     assert run.info.artifact_uri == f"{b}/mlartifacts/{made.run_id}/artifacts"
     assert [f.path for f in client.list_artifacts(made.run_id)] == ["config.yaml", "note.txt"]
     assert relocate_artifacts(tmp_path / "none.db", "x") is None
+
+
+def test_a_database_error_mlflow_reraises_is_not_also_logged_with_its_traceback(tmp_path, caplog):
+    """mlflow.store.db.utils logs an OperationalError (e.g. SQLite's "database or disk is full")
+    with its traceback before re-raising it as an MlflowException; with storage.lineage imported only
+    the raised error is left, for the CLI's one-line report. Its other records still pass."""
+    import logging
+
+    import sqlalchemy
+    from mlflow.exceptions import MlflowException
+    from mlflow.store.db.utils import _get_managed_session_maker
+    from sqlalchemy.orm import sessionmaker
+
+    engine = sqlalchemy.create_engine(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    managed = _get_managed_session_maker(sessionmaker(bind=engine), "sqlite")
+    caplog.set_level(logging.DEBUG)
+    with pytest.raises(MlflowException, match="database or disk is full"):
+        with managed(read_only=False):
+            raise sqlalchemy.exc.OperationalError("INSERT INTO params", {}, Exception("database or disk is full"))
+    assert not [r for r in caplog.records if r.name == "mlflow.store.db.utils"], caplog.text
+    logging.getLogger("mlflow.store.db.utils").error("another error")
+    assert [r.getMessage() for r in caplog.records if r.name == "mlflow.store.db.utils"] == ["another error"]

@@ -19,7 +19,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from stages.config import (AdvantageConfig, ConfigError, ModelConfig, OffPolicyConfig, RewardConfig, RolloutConfig,
-                           TaskConfig, TrainConfig, WarmupConfig, effective_off_policy, require)
+                           TaskConfig, TrainConfig, WarmupConfig, effective_off_policy, require,
+                           resolve_rollout_dtype)
 from stages.data import DatasetConfig, DatasetError
 from stages.eval import EvalConfig
 from stages.layout import ModelShape, balanced_layer_split, layer_split_error, parallel_layout_error, shape_from_hf
@@ -286,13 +287,11 @@ class GRPOConfig:
         auto is bfloat16 where they run on CUDA (rollout.device cuda or cuda:N, or auto where this
         process's torch sees a GPU), float32 on the CPU."""
         r = self.rollout
-        if r.dtype != "auto":
-            return r.dtype
-        if r.device != "auto":
-            return "bfloat16" if r.device.startswith("cuda") else "float32"
+        if r.dtype != "auto" or r.device != "auto":
+            return resolve_rollout_dtype(r.dtype, r.device.startswith("cuda"))
         import torch  # here: loading a config needs no torch
 
-        return "bfloat16" if torch.cuda.is_available() else "float32"
+        return resolve_rollout_dtype(r.dtype, torch.cuda.is_available())
 
     @property
     def off_policy(self) -> OffPolicyConfig:

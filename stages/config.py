@@ -38,6 +38,7 @@ __all__ = [
     "POLICY_RATIOS",
     "ASYNC_OFF_POLICY",
     "effective_off_policy",
+    "resolve_rollout_dtype",
 ]
 
 
@@ -632,6 +633,14 @@ class TrainConfig:
         return ParallelLayout(self.pipeline_model_parallel_size, self.data_parallel_size,
                               self.tensor_model_parallel_size, self.virtual_pipeline_model_parallel_size,
                               self.schedule)
+
+
+def resolve_rollout_dtype(dtype: str, on_cuda: bool) -> str:
+    """rollout.dtype as the engines run it: auto is bfloat16 on CUDA, float32 on the CPU; any other
+    spelling is itself."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if on_cuda else "float32"
 
 
 # The planner's recommendation for staleness >= 1 (docs/design-70b/report.md, Section 4): decoupled

@@ -31,6 +31,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from stages.config import resolve_rollout_dtype
 from stages.policy.model import DecoderStage
 from stages.rollout.paged_kv import PagedKVCache
 from stages.rollout.sampling import counter_uniforms, sample_from, truncated_logprobs
@@ -63,8 +64,7 @@ def engine_placement(device: str = "auto", dtype: str = "auto") -> tuple[torch.d
                              f"(built for CUDA: {torch.version.cuda or 'no'}); use rollout.device=cpu or auto")
         if dev.index is not None and dev.index >= count:
             raise ValueError(f"rollout.device={device!r} but torch sees {count} CUDA device(s)")
-    if dtype == "auto":
-        dtype = "bfloat16" if dev.type == "cuda" else "float32"
+    dtype = resolve_rollout_dtype(dtype, dev.type == "cuda")
     if dtype not in _DTYPES:  # the config's spellings (stages/config.py ROLLOUT_DTYPES)
         raise ValueError(f"rollout.dtype={dtype!r} is not one of auto, {', '.join(_DTYPES)}")
     return dev, _DTYPES[dtype]

@@ -536,6 +536,15 @@ class TrainConfig:
     before the optimiser step (TrainRank.train_step_with_reference): one dispatch, one read of the
     step and one batch build fewer, for the scoring no longer running beside it. The log-probs are
     stored as well, and the gradient is the separate pass's bit for bit."""
+    reference_fill: Union[bool, str] = "auto"
+    """With reference_pass=fused: whether some of the reference's microbatches run inside the
+    training step's receive waits instead of before it. auto: where it can, i.e. the reference
+    whole on every rank (reference_parallel resolves to data), training on the CPU, two or more
+    pipeline ranks; each rank offers the waits its previous step of the same pass shape measured
+    (the first stage's wait for its first gradient, in 1F1B), as many microbatches as fit in 80% of
+    one, and the rest of the pass is balanced over the ranks (stages/train/fill.py). A step where
+    nothing fits is the plain fused step. The log-probs, and so the step, are the same bits either
+    way (docs/performance.md). false: the whole pass before the step."""
     keep_optimizer_state: str = "latest"
     """Which policy versions keep the ranks' AdamW state (twice the weights' bytes in float32).
     latest: a version's state is deleted once the step after the one starting from it is logged:
@@ -565,6 +574,8 @@ class TrainConfig:
         _one_of("train.overlong", self.overlong, OVERLONG)
         _one_of("train.reference_parallel", self.reference_parallel, REFERENCE_PARALLEL)
         _one_of("train.reference_pass", self.reference_pass, REFERENCE_PASSES)
+        require(self.reference_fill in ("auto", False),
+                f"train.reference_fill={self.reference_fill!r} must be auto or false")
         _one_of("train.device", self.device, TRAIN_DEVICES)
         _one_of("train.dtype", self.dtype, TRAIN_DTYPES)
         for key in ("pipeline_model_parallel_size", "tensor_model_parallel_size", "data_parallel_size",

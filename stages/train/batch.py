@@ -93,6 +93,14 @@ class GlobalBatch:
         cols = np.where(valid, self.sample_col[:, None] + j[None, :], 0)
         return np.where(valid, values[self.sample_row[:, None], cols], 0.0).astype(np.float32)
 
+    def completion_mask(self) -> torch.Tensor:
+        """[rows, T] bool: the positions whose outputs predict a completion token (those
+        :meth:`with_completion_values` writes)."""
+        i, j = _ragged(self.length.astype(np.int64))
+        mask = torch.zeros(self.input_ids.shape, dtype=torch.bool)
+        mask[torch.from_numpy(self.sample_row[i]), torch.from_numpy(self.sample_col[i] + j)] = True
+        return mask
+
     def with_completion_values(self, field: str, values: np.ndarray) -> "GlobalBatch":
         """This batch with target channel ``field`` holding per-sample completion values [N, Gw]
         (store order, e.g. reference log-probs) at the positions predicting each completion token:

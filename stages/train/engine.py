@@ -53,9 +53,10 @@ from stages.layout import layer_split_error
 from stages.policy import DecoderConfig, build_stage, hf_named_parameters, load_hf_state, stage_hf_names
 from stages.train.batch import BucketedBatch
 from stages.train.faults import (InjectedFault, InputMismatchError, NonFiniteGradientError, StepGuard,
-                                 TrainInputError, TrainStepError, passes_signature)
+                                 TrainInputError, TrainStepError, passes_signature, signature_of)
+from stages.train.fill import FillPlan, StepFill, WaitRecord, decode_offers, encode_offers, offer, plan_fill
 from stages.layout import ParallelLayout, schedule_error
-from stages.train.loss import LossConfig, LossStats, grpo_microbatch_loss, make_chunked_loss
+from stages.train.loss import TARGET_FIELDS, LossConfig, LossStats, grpo_microbatch_loss, make_chunked_loss
 from stages.train.groups import init_rank_groups
 from stages.train.parallel import (DEFAULT_BUCKET_BYTES, allreduce_grads, apply_tensor_parallel, clip_grad_norm,
                                    head_local_parameters, local_tensor, sum_tied_grads, unique_parameters)
@@ -140,6 +141,11 @@ class TrainSetup:
     layer_split: Optional[tuple[int, ...]] = None
     """Decoder layers of each of the p * v stages, policy and pipelined reference alike
     (train.layer_split, resolved: GRPOConfig.layer_split); None: the even split."""
+    reference_fill: bool = False
+    """Whether :meth:`TrainRank.train_step_with_reference` computes some of the reference's
+    microbatches inside the step's receive waits (train.reference_fill, stages/train/fill.py).
+    Takes effect with the reference whole on every rank (reference_parallel=data), on the CPU
+    (gloo), with two or more pipeline ranks; the log-probs are the same bits either way."""
 
     def __post_init__(self) -> None:
         error = schedule_error(self.schedule, self.pipeline_parallel_size, self.num_microbatches,
@@ -235,6 +241,13 @@ class TrainRank:
         self._shapes: dict[str, dict[str, str]] = {}  # schedule -> input signature of its first step
         # (pass kind, one microbatch's input_ids shape) -> the stages of each schedule built for it
         self._stages_by_shape: dict[tuple, list[list[TimedStage]]] = {}
+        # reference_fill: each train pass's receive waits in its last step (by schedule key), the
+        # time of one whole-reference microbatch (by its shape), and the fill of the running step
+        self.fills_waits = (setup.reference_fill and self.reference_whole is not None and self.device.type == "cpu"
+                            and self.layout.pp > 1)
+        self._fill_waits: dict[str, list[WaitRecord]] = {}
+        self._reference_mb_ns: dict[tuple[int, int], float] = {}
+        self._fill: Optional[StepFill] = None
 
     # -- construction -------------------------------------------------------------------------------
     def _build(self, stage: int, tensors: dict[str, torch.Tensor], frozen: bool = False) -> nn.Module:
@@ -266,7 +279,8 @@ class TrainRank:
         skips its shape inference (None: it runs one microbatch through the stage at the first step)."""
         inputs, outputs = example or (None, None)
         return TimedStage(module, index, self.layout.num_stages, self.device, input_args=inputs, output_args=outputs,
-                          group=self.groups.pp, timeline=timeline, before_forward=self._inject, autocast=self.autocast)
+                          group=self.groups.pp, timeline=timeline, before_forward=self._before_forward,
+                          autocast=self.autocast)
 
     def _forward_only(self, modules: list[nn.Module], num_microbatches: int) -> ForwardOnlySchedule:
         return ForwardOnlySchedule(self._logp_stages(modules), num_microbatches, self.layout.stage_to_rank())
@@ -353,6 +367,11 @@ class TrainRank:
         return time.time_ns()
 
     # -- inputs -------------------------------------------------------------------------------------
+    def _before_forward(self, stage: int, microbatch: int) -> None:
+        self._inject(stage, microbatch)
+        if self._fill is not None:
+            self._fill.before_forward(stage, microbatch)
+
     def _inject(self, stage: int, microbatch: int) -> None:
         for f in self.setup.faults:
             if (f.rank, f.step, f.microbatch) == (self.rank, self._pass, microbatch) and stage == self.stage_ids[0]:
@@ -388,7 +407,7 @@ class TrainRank:
                                       f"microbatches = {D} x {m} equal microbatches: change train.micro_batch_size")
             # input_ids fixes the activations sent between stages; keyword tensors stay on each rank.
             shape = {k: sig[k] for k in ("num_microbatches", "input_ids")}
-            key = what if global_mb is None else f"{what}[{m}x{sig['input_ids']}]"
+            key = _pass_key(what, global_mb, m, sig["input_ids"])
             first = self._shapes.setdefault(key, shape)
             if shape != first:  # the same on every rank: they agree on the signature
                 changed = [f"{k} {first[k]} -> {shape[k]}" for k in shape if first[k] != shape[k]]
@@ -464,14 +483,22 @@ class TrainRank:
         stats: list[LossStats] = []
         inferences = 0
         t0 = self._now_ns()
-        for key, m, local in local_passes:  # gradients accumulate over the passes
+        fill = self._fill
+        for i, (key, m, local) in enumerate(local_passes):  # gradients accumulate over the passes
             schedule = self._schedule_for("train", key, m, tuple(local["input_ids"].shape))
-            inferences += self._first_use(key)
+            first = self._first_use(key)
+            inferences += first
             input_ids, target = local.pop("input_ids"), local.pop("target")
             args = (input_ids,) if self.holds_first else ()
             self._stats.clear()
-            with timed_p2p():
+            if fill is not None:
+                fill.begin_pass(i, target if self.holds_last else None)
+            with timed_p2p(fill):
                 schedule.step(*args, target=target if self.holds_last else None, return_outputs=False, **local)
+            if fill is not None:
+                waits = fill.end_pass()
+                if not first:  # a first step's waits include torch's shape inference
+                    self._fill_waits[key] = waits
             # A schedule's first step runs the loss once more for shape inference: keep the real ones.
             stats += self._stats[-m:] if self.holds_last else []
         t1 = self._now_ns()
@@ -571,6 +598,8 @@ class TrainRank:
         would give, bit for bit (the same values in the same channel), in one call. Returns the step
         (its metrics with ``reference_seconds``, the pass's wall time on this rank) and, on
         :attr:`is_output_rank`, the log-probs [N, max_new_tokens] in store order to store."""
+        if self.fills_waits:
+            return self._train_step_with_filled_reference(batch)
         t0 = time.perf_counter()
         logp = self.batch_logp(batch, "reference_logp", to="loss")
         reference_s = time.perf_counter() - t0
@@ -579,6 +608,46 @@ class TrainRank:
         step = self.train_step(batch)
         step.metrics["reference_seconds"] = reference_s
         return step, logp if self.is_output_rank else None
+
+    def _train_step_with_filled_reference(self, batch) -> tuple[StepResult, Optional[np.ndarray]]:
+        """:meth:`train_step_with_reference` with some reference microbatches computed inside the
+        step's receive waits (TrainSetup.reference_fill, stages/train/fill.py); the same log-probs
+        in the same target channel, so the same step bit for bit. Its metrics add
+        ``reference_fill_microbatches`` and ``reference_fill_seconds`` (this rank's fills)."""
+        if self.reference_whole is None:
+            raise ValueError("this rank holds no whole reference (reference_parallel=data)")
+        passes = getattr(batch, "passes", (batch,))
+        D = self.layout.dp
+        specs = [(getattr(p, "num_microbatches", None), p.input_ids, p.target[..., 0].long(), p.stage_kwargs())
+                 for p in passes]
+        keys = [_pass_key("train", mb, (mb // D) if mb is not None else self.setup.num_microbatches,
+                          signature_of(0, {"input_ids": p.input_ids})["input_ids"]) for mb, p in zip(
+                              (s[0] for s in specs), passes)]
+        t0 = time.perf_counter()
+        outs, plan = self._shared_logp("reference_logp", specs, to="loss", fill_keys=keys)
+        reference_s = time.perf_counter() - t0
+        bucketed = isinstance(batch, BucketedBatch)
+        if outs is not None:
+            batch = batch.with_completion_values("ref_logp", batch.completion_values(outs if bucketed else outs[0]))
+        microbatches = [self.setup.num_microbatches * D if mb is None else mb for mb, *_ in specs]
+        inputs = [{"input_ids": ids, "next_ids": nxt, **kw} for _, ids, nxt, kw in specs]
+
+        def compute(i: int, k: int) -> torch.Tensor:
+            return self._reference_microbatch(inputs[i], int(inputs[i]["input_ids"].shape[0]) // microbatches[i], k)
+
+        masks = [p.completion_mask() for p in passes] if outs is not None else None
+        self._fill = StepFill(plan, microbatches, self.rank, self.layout, self.groups.pp, compute, self.timeline,
+                              self.stage_ids, TARGET_FIELDS.index("ref_logp"), outs, masks, self.groups.dp)
+        try:
+            step = self.train_step(batch)
+        finally:
+            fill, self._fill = self._fill, None
+        outs = fill.finish()
+        step.metrics.update(reference_seconds=reference_s, reference_fill_microbatches=float(fill.filled),
+                            reference_fill_seconds=fill.fill_ns / 1e9)
+        if not self.is_output_rank:
+            return step, None
+        return step, batch.completion_values(outs if bucketed else outs[0])
 
     @torch.no_grad()
     def _forward_logp(self, what: str, passes: list, to: str = "output") -> Optional[list[torch.Tensor]]:
@@ -616,34 +685,64 @@ class TrainRank:
                 outs = gathered
             return [o.cpu() for o in outs] if self.is_output_rank or to == "loss" else None
 
-    def _shared_logp(self, what: str, passes: list, to: str = "output") -> Optional[list[torch.Tensor]]:
+    def _reference_microbatch(self, full: dict[str, torch.Tensor], size: int, j: int) -> torch.Tensor:
+        """Microbatch ``j`` (rows [j size, (j + 1) size)) of a pass's ``full`` inputs through the
+        whole reference: its per-token log-probs [size, T], float32."""
+        part = {key: v[j * size:(j + 1) * size].to(self.device) for key, v in full.items()}
+        with autocast_to(self.device, self.autocast):
+            return self.reference_whole(part.pop("input_ids"), **part).float()
+
+    def _fill_offers(self, keys: list[str], inputs: list) -> np.ndarray:
+        """This rank's offers for the step's passes (stages/train/fill.py ``offer``), from the
+        receive waits of each pass's last step and this rank's time for one reference microbatch."""
+        offers = []
+        for key, (M, full) in zip(keys, inputs):
+            shape = (int(full["input_ids"].shape[0]) // M, int(full["input_ids"].shape[1]))
+            waits, mb_ns = self._fill_waits.get(key), self._reference_mb_ns.get(shape)
+            offers.append(offer(waits, mb_ns, M // self.layout.dp) if waits and mb_ns else (0, 0, 0))
+        return encode_offers(offers)
+
+    def _shared_logp(self, what: str, passes: list, to: str = "output", fill_keys: Optional[list[str]] = None):
         """reference_parallel=data: every rank runs the whole reference over its share of the
         microbatches (the k-th microbatch of the call, over all passes, goes to rank k mod world),
         then one SUM of the zero-filled outputs onto the output rank (``to`` = "loss": onto every
         rank, kept where the last stage is). Each value comes from one rank and x + 0 = x, so the
         sum is exact; a microbatch holds the rows the pipeline's microbatch holds, so each row is
-        computed as there."""
+        computed as there. ``fill_keys`` (the step's train schedule keys): the ranks agree on a
+        :class:`~stages.train.fill.FillPlan` with the input check, compute the microbatches it
+        gives them, and the call returns (outputs, plan)."""
         call, guarded = self._begin(what)
         with guarded:
             world, D = self.layout.world_size, self.layout.dp
             inputs = [(self.setup.num_microbatches * D if mb is None else mb,
                        {"input_ids": ids, "next_ids": nxt.long(), **kw}) for mb, ids, nxt, kw in passes]
-            self.guard.check_inputs(call, passes_signature(inputs)[0])
+            plan: Optional[FillPlan] = None
+            if fill_keys is None:
+                self.guard.check_inputs(call, passes_signature(inputs)[0])
+            else:
+                gathered = self.guard.check_inputs(call, passes_signature(inputs)[0],
+                                                   extra=self._fill_offers(fill_keys, inputs))
+                costs = [float(full["input_ids"].numel()) / m for m, full in inputs]
+                plan = plan_fill([decode_offers(g, len(inputs)) for g in gathered], [m for m, _ in inputs], costs,
+                                 self.layout)
             t0 = self._now_ns()
             outs, k, busy_ns = [], 0, 0
-            for m, full in inputs:
+            for i, (m, full) in enumerate(inputs):
                 rows = int(full["input_ids"].shape[0])
                 if rows % m:
                     raise TrainInputError(f"{what}: a pass of {rows} rows does not split into {m} microbatches")
                 size = rows // m
                 out = torch.zeros(full["input_ids"].shape, dtype=torch.float32, device=self.device)
+                spent, ran = 0, 0
                 for j in range(m):
-                    if (k + j) % world == self.rank:
+                    if (plan.owner[i][j] if plan is not None else (k + j) % world) == self.rank:
                         c0 = self._now_ns()
-                        part = {key: v[j * size:(j + 1) * size].to(self.device) for key, v in full.items()}
-                        with autocast_to(self.device, self.autocast):
-                            out[j * size:(j + 1) * size] = self.reference_whole(part.pop("input_ids"), **part)
-                        busy_ns += self._now_ns() - c0
+                        out[j * size:(j + 1) * size] = self._reference_microbatch(full, size, j)
+                        spent += self._now_ns() - c0
+                        ran += 1
+                if ran:
+                    self._reference_mb_ns[(size, int(full["input_ids"].shape[1]))] = spent / ran
+                busy_ns += spent
                 k += m
                 outs.append(out)
             flat = torch.cat([o.reshape(-1) for o in outs])
@@ -655,8 +754,9 @@ class TrainRank:
             self.last_forward = StepResult(self.rank, {"bubble_fraction": 1 - busy_ns / max(t1 - t0, 1),
                                                        "step_seconds": (t1 - t0) / 1e9}, [], (t0, t1))
             if not (self.is_output_rank or (to == "loss" and self.holds_last)):
-                return None
-            return [piece.reshape(o.shape).cpu() for piece, o in zip(torch.split(flat, [o.numel() for o in outs]), outs)]
+                return None if plan is None else (None, plan)
+            outs = [piece.reshape(o.shape).cpu() for piece, o in zip(torch.split(flat, [o.numel() for o in outs]), outs)]
+            return outs if plan is None else (outs, plan)
 
     # -- weights --------------------------------------------------------------------------------------
     def _hf_tensors(self, grads: bool) -> dict[str, torch.Tensor]:
@@ -731,6 +831,12 @@ class TrainRank:
         self.guard.close(owner=self.rank == 0, timeout_s=self.setup.timeout_s)
         if dist.is_initialized() and not self.guard.aborted:
             dist.destroy_process_group()
+
+
+def _pass_key(what: str, global_microbatches: Optional[int], m: int, input_ids: str) -> str:
+    """The schedule key of a pass: ``what`` for the run's fixed layout (``global_microbatches``
+    None), else one per (m per data-parallel rank, the input_ids signature)."""
+    return what if global_microbatches is None else f"{what}[{m}x{input_ids}]"
 
 
 def rank_tensor_names(model: DecoderConfig, layout: ParallelLayout, pp_rank: int,

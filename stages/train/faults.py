@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Iterator, Literal, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -103,17 +104,24 @@ class StepGuard:
         self.where = describe_rank
         self.aborted: Optional[str] = None
 
-    def check_inputs(self, call: int, signature: dict[str, str]) -> None:
+    def check_inputs(self, call: int, signature: dict[str, str],
+                     extra: Optional[np.ndarray] = None) -> Optional[list[np.ndarray]]:
         """Raise :class:`InputMismatchError` on every rank if any rank's signature differs. The
         ranks all-gather a sha256 of their signature, one collective of 32 bytes each (each
         collective a rank waits in is a chance for a busy host to deschedule one of them); only
-        when the digests differ do they gather the signatures themselves, to name what differs."""
+        when the digests differ do they gather the signatures themselves, to name what differs.
+        ``extra``: an int64 vector of the same size on every rank, gathered in the same collective;
+        returns every rank's (None without it)."""
         mine = hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).digest()
-        digest = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+        payload = bytearray(mine) + (bytearray(np.ascontiguousarray(extra, np.int64).tobytes())
+                                     if extra is not None else bytearray())
+        digest = torch.frombuffer(payload, dtype=torch.uint8)
         digests = [torch.empty_like(digest) for _ in range(self.world_size)]
         dist.all_gather(digests, digest)
-        if all(torch.equal(d, digests[0]) for d in digests):
-            return
+        if all(torch.equal(d[:32], digests[0][:32]) for d in digests):
+            if extra is None:
+                return None
+            return [np.frombuffer(d[32:].numpy().tobytes(), np.int64) for d in digests]
         table: list[Optional[dict[str, str]]] = [None] * self.world_size
         dist.all_gather_object(table, signature)
         raise InputMismatchError(f"call {call}: training inputs disagree across ranks: "

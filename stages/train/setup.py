@@ -50,4 +50,5 @@ def train_setup(train: TrainConfig, model_cfg: DecoderConfig, num_microbatches: 
         reference_parallel=reference_parallel or (t.reference_parallel if t.reference_parallel != "auto"
                                                   else "pipeline"),
         reference=t.uses_reference, device=t.device, dtype=t.dtype,
+        reference_fill=t.reference_pass == "fused" and t.reference_fill == "auto",
         layer_split=layer_split or (tuple(t.layer_split) if t.layer_split != "auto" else None))

@@ -9,7 +9,8 @@ returns (single-stage schedules and ``_PipelineScheduleRuntime`` alike), so wrap
 function times each op from its post to the end of its wait. Gloo works have no future to report
 completion (``Work::getFuture not implemented``), so the end of a send waited late is its wait.
 
-Bubble fraction of a rank = 1 - (time in compute actions) / (step window).
+Bubble fraction of a rank = 1 - (time in compute actions) / (step window); a reference
+microbatch computed inside a receive wait (R, stages/train/fill.py) counts as compute.
 
 Activation stash: the bytes each stage forward saves for backward (a
 ``torch.autograd.graph.saved_tensors_hooks`` around the forward; distinct storages, parameters
@@ -32,17 +33,18 @@ from torch.distributed.pipelining import schedules as _schedules
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["Action", "COMPUTE_KINDS", "COMM_KINDS", "RankTimeline", "TimedStage", "autocast_to", "timed_p2p",
-           "bubble_fraction", "chrome_events"]
+__all__ = ["Action", "COMPUTE_KINDS", "COMM_KINDS", "FILL_KIND", "RecvWaitHook", "RankTimeline", "TimedStage",
+           "autocast_to", "timed_p2p", "bubble_fraction", "chrome_events"]
 
 COMPUTE_KINDS = ("F", "B", "I", "W")
+FILL_KIND = "R"  # a frozen reference microbatch computed inside a receive wait (stages/train/fill.py)
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 _LABEL = "_grpoflow_label"  # attribute set on each P2POp a TimedStage hands to a schedule
 
 
 @dataclass(frozen=True)
 class Action:
-    kind: str  # a COMPUTE_KINDS or COMM_KINDS entry
+    kind: str  # a COMPUTE_KINDS or COMM_KINDS entry, or FILL_KIND
     stage: int
     microbatch: int
     start_ns: int
@@ -200,14 +202,32 @@ class TimedStage(PipelineStage):
         return self._label(super().get_bwd_send_ops(bwd_chunk_id), "SEND_B", bwd_chunk_id)
 
 
+class RecvWaitHook:
+    """Called around each wait on a send or a receive under :func:`timed_p2p`: ``before`` may
+    compute something the wait would otherwise idle through; ``after`` gets the wait's start
+    (before ``before``), the end of ``before`` and the op's completion, in time.time_ns(). (A gloo
+    send of a schedule completes when its peer has received it, so a rank whose peer is busy
+    idles in its send's wait as often as in a receive's.)"""
+
+    def before(self) -> None:
+        pass
+
+    def after(self, start_ns: int, blocked_from_ns: int, end_ns: int) -> None:
+        pass
+
+
 class _TimedWork:
     """A dist.Work that records a send/recv action when waited on."""
 
-    def __init__(self, work, label: tuple, posted_ns: int):
+    def __init__(self, work, label: tuple, posted_ns: int, hook: Optional[RecvWaitHook] = None):
         self._work, self._label, self._posted_ns = work, label, posted_ns
+        self._hook = hook
 
     def wait(self, *args, **kwargs):
         timeline, kind, stage, mb, peer, num_bytes = self._label
+        start = time.time_ns()
+        if self._hook is not None:
+            self._hook.before()
         t0 = time.time_ns()
         try:
             result = self._work.wait(*args, **kwargs)
@@ -216,6 +236,8 @@ class _TimedWork:
             raise RuntimeError(f"{kind} of stage {stage} microbatch {mb} with rank {peer}: {text}") from exc
         end = time.time_ns()
         timeline.record(Action(kind, stage, mb, self._posted_ns, end, peer, end - t0, num_bytes))
+        if self._hook is not None:
+            self._hook.after(start, t0, end)
         return result
 
     def __getattr__(self, name):
@@ -223,9 +245,9 @@ class _TimedWork:
 
 
 @contextmanager
-def timed_p2p() -> Iterator[None]:
-    """While active, every P2P op a TimedStage hands to a torch schedule is timed (module docstring).
-    Restores torch's ``_batch_p2p`` on exit."""
+def timed_p2p(hook: Optional[RecvWaitHook] = None) -> Iterator[None]:
+    """While active, every P2P op a TimedStage hands to a torch schedule is timed (module docstring),
+    and ``hook`` runs around each wait on a send or receive. Restores torch's ``_batch_p2p`` on exit."""
     original = _schedules._batch_p2p
 
     def batch_p2p(p2p_ops, desc=None):
@@ -234,7 +256,7 @@ def timed_p2p() -> Iterator[None]:
         labels = [getattr(op, _LABEL, None) for op in p2p_ops]
         if len(works) != len(labels):  # coalesced (NCCL): one work for the batch
             labels = [labels[0] if labels else None] * len(works)
-        return [_TimedWork(w, lab, posted) if lab is not None else w for w, lab in zip(works, labels)]
+        return [_TimedWork(w, lab, posted, hook) if lab is not None else w for w, lab in zip(works, labels)]
 
     _schedules._batch_p2p = batch_p2p
     try:
@@ -244,9 +266,9 @@ def timed_p2p() -> Iterator[None]:
 
 
 def bubble_fraction(actions: list[Action], window_start_ns: int, window_end_ns: int) -> float:
-    """1 - (time spent in compute actions) / (step window) for one rank."""
+    """1 - (time spent in compute actions, fills included) / (step window) for one rank."""
     window = max(window_end_ns - window_start_ns, 1)
-    busy = sum(a.end_ns - a.start_ns for a in actions if a.kind in COMPUTE_KINDS)
+    busy = sum(a.end_ns - a.start_ns for a in actions if a.kind in COMPUTE_KINDS or a.kind == FILL_KIND)
     return max(0.0, 1.0 - busy / window)
 
 

@@ -1,0 +1,60 @@
+"""The reference pass inside the training step's waits (train.reference_fill=auto) against the
+whole pass before the step (=false), side by side in one process: whole ``grpoflow run``s of a
+scenario of benchmarks/iteration.py with the fused reference pass (train.reference_pass=fused),
+the variants alternating, ``--reps`` runs of each.
+
+Per run, the median over steps 2.. (steps 0 and 1 plan from nothing: the first step's waits
+hold torch's shape inference) of the step window, the train stage and the reference
+microbatches filled per step; then the medians over the runs and the ratio auto / false.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/reference_fill.py --scenario tiny --reps 3 --iterations 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from iteration import SCENARIOS, grpoflow_iterations, scenario_config  # noqa: E402
+
+_KEYS = ("step_window_seconds", "train_seconds", "train_step_seconds", "reference_compute_seconds",
+         "reference_fill_microbatches", "bubble_fraction")
+
+
+def _run(scenario: str, fill: str, iterations: int, runs_dir: str, name: str, extra: list[str]) -> dict[str, float]:
+    cfg = scenario_config(scenario, runs_dir, name, iterations,
+                          ["train.reference_pass=fused", f"train.reference_fill={fill}", *extra])
+    steps = grpoflow_iterations(cfg)[2:]
+    return {k: statistics.median(m.get(k, 0.0) for m in steps) for k in _KEYS}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="tiny")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("overrides", nargs="*", help="config overrides for both variants")
+    args = parser.parse_args()
+    if args.iterations < 3:
+        parser.error("--iterations must be >= 3: steps 0 and 1 plan nothing")
+    rows: dict[str, list[dict[str, float]]] = {"false": [], "auto": []}
+    with tempfile.TemporaryDirectory() as runs_dir:
+        for rep in range(args.reps):
+            for fill in ("false", "auto"):
+                row = _run(args.scenario, fill, args.iterations, runs_dir, f"{fill}-{rep}", args.overrides)
+                rows[fill].append(row)
+                print(f"rep {rep} {fill:>4}: " + " ".join(f"{k} {v:.4f}" for k, v in row.items()), flush=True)
+    med = {fill: {k: statistics.median(r[k] for r in rs) for k in _KEYS} for fill, rs in rows.items()}
+    print(f"\n{args.scenario}, {args.reps} runs x {args.iterations} iterations each, medians of steps 2..:")
+    for k in _KEYS:
+        off, auto = med["false"][k], med["auto"][k]
+        ratio = f"{auto / off:.3f}" if off else "-"
+        print(f"  {k:<28} false {off:9.4f}   auto {auto:9.4f}   auto/false {ratio}")
+
+
+if __name__ == "__main__":
+    main()

@@ -484,6 +484,8 @@ class TrainRank:
         inferences = 0
         t0 = self._now_ns()
         fill = self._fill
+        if fill is not None:
+            fill.begin_step([local["target"] if self.holds_last else None for _, _, local in local_passes])
         for i, (key, m, local) in enumerate(local_passes):  # gradients accumulate over the passes
             schedule = self._schedule_for("train", key, m, tuple(local["input_ids"].shape))
             first = self._first_use(key)
@@ -492,15 +494,17 @@ class TrainRank:
             args = (input_ids,) if self.holds_first else ()
             self._stats.clear()
             if fill is not None:
-                fill.begin_pass(i, target if self.holds_last else None)
+                fill.begin_pass(i)
             with timed_p2p(fill):
                 schedule.step(*args, target=target if self.holds_last else None, return_outputs=False, **local)
+            # A schedule's first step runs the loss once more for shape inference: keep the real ones.
+            stats += self._stats[-m:] if self.holds_last else []
             if fill is not None:
                 waits = fill.end_pass()
                 if not first:  # a first step's waits include torch's shape inference
                     self._fill_waits[key] = waits
-            # A schedule's first step runs the loss once more for shape inference: keep the real ones.
-            stats += self._stats[-m:] if self.holds_last else []
+        if fill is not None:
+            fill.end_step()
         t1 = self._now_ns()
         allreduce_grads(self.params, self.groups.dp, self.setup.grad_bucket_bytes)
         if self.head_local:
@@ -695,12 +699,13 @@ class TrainRank:
     def _fill_offers(self, keys: list[str], inputs: list) -> np.ndarray:
         """This rank's offers for the step's passes (stages/train/fill.py ``offer``), from the
         receive waits of each pass's last step and this rank's time for one reference microbatch."""
-        offers = []
-        for key, (M, full) in zip(keys, inputs):
+        offers, times = [], []
+        for i, (key, (M, full)) in enumerate(zip(keys, inputs)):
             shape = (int(full["input_ids"].shape[0]) // M, int(full["input_ids"].shape[1]))
-            waits, mb_ns = self._fill_waits.get(key), self._reference_mb_ns.get(shape)
-            offers.append(offer(waits, mb_ns, M // self.layout.dp) if waits and mb_ns else (0, 0, 0))
-        return encode_offers(offers)
+            waits = self._fill_waits.get(key)
+            offers.append(offer(waits, M // self.layout.dp, i + 1 < len(inputs)) if waits else (0, 0, 0))
+            times.append(int(self._reference_mb_ns.get(shape, 0)))
+        return encode_offers(offers, times)
 
     def _shared_logp(self, what: str, passes: list, to: str = "output", fill_keys: Optional[list[str]] = None):
         """reference_parallel=data: every rank runs the whole reference over its share of the

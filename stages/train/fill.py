@@ -1,29 +1,34 @@
-"""The frozen reference's microbatches computed inside a training step's receive waits
-(train.reference_fill): the plan, as arithmetic on what the ranks measured.
+"""The frozen reference's microbatches computed inside a training step's P2P waits
+(train.reference_fill): the plan, as arithmetic on what the ranks measured, and each rank's part
+of it during the step.
 
 With the reference whole on every rank (reference_parallel=data) and its pass fused into the train
 task, the ranks run the reference over the step's microbatches before the pipeline step, a share
 each, and one SUM hands every log-prob to the ranks computing the loss. A pipeline rank also idles
-inside the step: a receive it waits on (for 1F1B's first stage, the gradient of the first
-microbatch, while the last stage runs its forward and backward). gloo cannot say when a receive
-has completed, so what fits there is planned from the previous step of the same pass shape:
+inside the step, in the waits of its sends and receives (a gloo send completes once its peer has
+posted the receive): 1F1B's first stage after its warm-up forwards, while the last stage runs
+its first forward and backward, and again in the drain, while the last stage finishes the pass.
+gloo cannot say when an op has completed, so what fits there is planned from the previous step of
+the same pass shape:
 
-- each rank records, per receive wait of a pass, the time from the wait's start to the receive's
-  completion (``available_ns``: any fill computed there included), and how many microbatches it
-  had forwarded by then (a microbatch j can be filled there only if this rank's forward of j, which
-  the loss of j waits on, comes later: :func:`first_fillable`);
-- it offers its best wait: as many whole-reference microbatches as fit in ``FILL_SHARE`` of it at
-  the time one took in its own pre-step pass (:func:`offer`), one fewer where a fill ran past the
-  receive last time;
-- every rank derives the same :class:`FillPlan` from the offers (they are all-gathered with the
-  step's input check): the offered microbatches, latest first, leave the pre-step pass, and the
-  rest are balanced over the ranks by their size, unless that leaves the pre-step pass as long
-  as before (then nothing is filled: :func:`plan_fill`).
+- each rank records, per wait of a pass, the time from the wait's start to the op's completion
+  (``available_ns``: any fill computed there included), and how many microbatches of the pass it
+  had forwarded by then;
+- a wait can fill microbatch j of its own pass if this rank's forward of j, which the loss of j
+  waits on, comes later (:func:`first_fillable`), and any microbatch of a later pass of the step
+  (a step of length buckets is several passes: the drain of one holds the next one's reference);
+- each rank offers, per pass, its best wait: 80% of it (:data:`FILL_SHARE`), half of what it
+  filled where a fill ran past the op last time (:func:`offer`), with its own time for one
+  microbatch of each pass shape, measured in its pre-step passes;
+- every rank derives the same :class:`FillPlan` from the offers (all-gathered with the step's
+  input check): each offer takes the latest eligible microbatches that fit, and the rest are
+  balanced over the ranks by their size, unless that leaves the pre-step pass as long as before
+  (then nothing is filled: :func:`plan_fill`).
 
 A filled microbatch's log-probs are computed by the same whole reference over the same rows as in
-the pre-step pass, so they are the same bits; the rank holding its loss receives them before its
-last stage's forward of that microbatch and writes them into the target, where the pre-step pass
-would have put them.
+the pre-step pass, so they are the same bits; the rank holding its loss has posted its receive at
+the start of the step, waits on it before its last stage's forward of that microbatch, and writes
+them into the target where the pre-step pass would have put them.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from stages.layout.mesh import MeshCoord
 from stages.train.timeline import FILL_KIND, Action, RankTimeline, RecvWaitHook
 
 __all__ = ["FILL_SHARE", "MAX_FILL_PASSES", "WaitRecord", "FillPlan", "first_fillable", "offer", "encode_offers",
-           "decode_offers", "plan_fill", "StepFill"]
+           "decode_offers", "Fill", "plan_fill", "StepFill"]
 
 FILL_SHARE = 0.8
 """The share of a measured wait its fills may take (waits vary from step to step)."""
@@ -78,35 +83,50 @@ def first_fillable(forwards: dict[int, int], last_stage: int) -> int:
     return min(forwards.values())
 
 
-def offer(waits: Sequence[WaitRecord], microbatch_ns: float, num_microbatches: int) -> tuple[int, int, int]:
-    """(wait ordinal, first local microbatch, count) of the wait taking the most microbatches of
-    ``microbatch_ns`` each; count 0: none."""
+def offer(waits: Sequence[WaitRecord], num_microbatches: int, later_passes: bool) -> tuple[int, int, int]:
+    """(wait ordinal, first local microbatch of its own pass, time budget in ns) of the longest
+    wait with something to fill: a microbatch of its pass after it, or ``later_passes``; budget 0:
+    none."""
     best = (0, 0, 0)
     for i, w in enumerate(waits):
-        room = num_microbatches - w.forwarded
-        if room <= 0 or microbatch_ns <= 0:
+        if w.forwarded >= num_microbatches and not later_passes:
             continue
         if w.filled and w.blocked_ns < _RAN_PAST * w.available_ns:
-            count = w.filled - 1
+            budget = (w.available_ns - w.blocked_ns) // 2
         else:
-            count = int(FILL_SHARE * w.available_ns // microbatch_ns)
-        count = min(count, room)
-        if count > best[2]:
-            best = (i, w.forwarded, count)
+            budget = int(FILL_SHARE * w.available_ns)
+        if budget > best[2]:
+            best = (i, min(w.forwarded, num_microbatches), budget)
     return best
 
 
-def encode_offers(offers: Sequence[tuple[int, int, int]]) -> np.ndarray:
-    """A rank's offers, one per pass, as a fixed-size int64 vector (passes past MAX_FILL_PASSES offer none)."""
-    out = np.zeros((MAX_FILL_PASSES, 3), np.int64)
-    for i, o in enumerate(offers[:MAX_FILL_PASSES]):
-        out[i] = o
+_OFFER = 4  # ints per pass: wait ordinal, first microbatch, budget ns, this rank's ns per microbatch of the pass
+
+
+def encode_offers(offers: Sequence[tuple[int, int, int]], microbatch_ns: Sequence[int]) -> np.ndarray:
+    """A rank's offers, one per pass, and its time for one microbatch of each pass (0: not
+    measured), as a fixed-size int64 vector (passes past MAX_FILL_PASSES offer none)."""
+    out = np.zeros((MAX_FILL_PASSES, _OFFER), np.int64)
+    for i, (o, ns) in enumerate(zip(offers[:MAX_FILL_PASSES], microbatch_ns)):
+        out[i] = (*o, ns)
     return out.reshape(-1)
 
 
-def decode_offers(vector: np.ndarray, num_passes: int) -> list[tuple[int, int, int]]:
-    rows = np.asarray(vector, np.int64).reshape(MAX_FILL_PASSES, 3)
-    return [tuple(int(x) for x in rows[i]) if i < MAX_FILL_PASSES else (0, 0, 0) for i in range(num_passes)]
+def decode_offers(vector: np.ndarray, num_passes: int) -> list[tuple[int, int, int, int]]:
+    rows = np.asarray(vector, np.int64).reshape(MAX_FILL_PASSES, _OFFER)
+    return [tuple(int(x) for x in rows[i]) if i < MAX_FILL_PASSES else (0, 0, 0, 0) for i in range(num_passes)]
+
+
+@dataclass(frozen=True)
+class Fill:
+    """Global microbatch ``microbatch`` of pass ``target_pass``, computed by ``rank`` in its wait
+    ``ordinal`` of pass ``wait_pass`` (<= target_pass)."""
+
+    target_pass: int
+    microbatch: int
+    rank: int
+    wait_pass: int
+    ordinal: int
 
 
 @dataclass(frozen=True)
@@ -116,37 +136,39 @@ class FillPlan:
 
     owner: tuple[tuple[int, ...], ...]
     """Per pass, per microbatch: the rank computing it in the pre-step pass; -1: filled in a wait."""
-    fills: tuple[tuple[tuple[int, int, int], ...], ...]
-    """Per pass: (microbatch, filling rank, wait ordinal), in the order each rank computes them."""
+    fills: tuple[Fill, ...] = ()
+    """In the order each rank computes them."""
 
     @property
     def num_filled(self) -> int:
-        return sum(len(f) for f in self.fills)
+        return len(self.fills)
 
 
-def plan_fill(offers: Sequence[Sequence[tuple[int, int, int]]], microbatches: Sequence[int],
+def plan_fill(offers: Sequence[Sequence[tuple[int, int, int, int]]], microbatches: Sequence[int],
               costs: Sequence[float], layout: ParallelLayout) -> FillPlan:
-    """The plan every rank derives alike. ``offers[rank][pass]``: that rank's offer
-    (:func:`offer`); ``microbatches[pass]``: M, over every data-parallel replica; ``costs[pass]``:
-    one microbatch's relative cost (its rows x columns). With no microbatch offered, or where the
-    rest, balanced, would load the busiest rank as much as the round-robin order does, nothing is
-    filled and the pre-step pass keeps that order: global microbatch k of the call on rank k mod
-    world."""
-    world, D = layout.world_size, layout.dp
-    fills: list[list[tuple[int, int, int]]] = [[] for _ in microbatches]
+    """The plan every rank derives alike. ``offers[rank][pass]``: that rank's offer and its time
+    for one microbatch of the pass (:func:`encode_offers`); ``microbatches[pass]``: M, over every
+    data-parallel replica; ``costs[pass]``: one microbatch's relative cost (its rows x columns).
+    A rank fills only its own data-parallel replica's microbatches: its own pass's latest first,
+    then the later passes'. With nothing offered, or where the rest, balanced, would load the
+    busiest rank as much as the round-robin order does, nothing is filled and the pre-step pass
+    keeps that order: global microbatch k of the call on rank k mod world."""
+    world, D, P = layout.world_size, layout.dp, len(microbatches)
+    fills: list[Fill] = []
     taken: set[tuple[int, int]] = set()
     for rank in range(world):
         d = layout.coord(rank).dp
-        for i, (ordinal, first, count) in enumerate(offers[rank]):
-            m = microbatches[i] // D
-            for j in range(m - 1, max(first, 0) - 1, -1):
-                if count <= 0:
-                    break
-                k = d * m + j
-                if (i, k) not in taken:
-                    taken.add((i, k))
-                    fills[i].append((k, rank, ordinal))
-                    count -= 1
+        times = [o[3] for o in offers[rank]]
+        for i, (ordinal, first, budget, _) in enumerate(offers[rank]):
+            candidates = [(i, j) for j in range(microbatches[i] // D - 1, first - 1, -1)]
+            candidates += [(t, j) for t in range(i + 1, P) for j in range(microbatches[t] // D - 1, -1, -1)]
+            for t, j in candidates:
+                k = d * (microbatches[t] // D) + j
+                if (t, k) in taken or times[t] <= 0 or times[t] > budget:
+                    continue
+                taken.add((t, k))
+                fills.append(Fill(t, k, rank, i, ordinal))
+                budget -= times[t]
     round_robin, load_rr = [[-1] * M for M in microbatches], [0.0] * world
     k = 0
     for i, M in enumerate(microbatches):
@@ -154,7 +176,7 @@ def plan_fill(offers: Sequence[Sequence[tuple[int, int, int]]], microbatches: Se
             round_robin[i][j] = (k + j) % world
             load_rr[(k + j) % world] += costs[i]
         k += M
-    plain = FillPlan(tuple(map(tuple, round_robin)), tuple(() for _ in microbatches))
+    plain = FillPlan(tuple(map(tuple, round_robin)))
     if not taken:
         return plain
     owner, load = [[-1] * M for M in microbatches], [0.0] * world
@@ -165,8 +187,7 @@ def plan_fill(offers: Sequence[Sequence[tuple[int, int, int]]], microbatches: Se
         load[rank] += costs[i]
     if max(load) >= max(load_rr):  # the pre-step pass would take as long: fill nothing
         return plain
-    return FillPlan(tuple(map(tuple, owner)), tuple(tuple(sorted(f, key=lambda x: (x[1], x[2], -x[0])))
-                                                    for f in fills))
+    return FillPlan(tuple(map(tuple, owner)), tuple(fills))
 
 
 _TAG = 1 << 20  # the fills' P2P tags, apart from the schedules' (0): tag _TAG + pass * 4096 + microbatch
@@ -197,30 +218,45 @@ class StepFill(RecvWaitHook):
         self.delta = [torch.zeros_like(o) for o in outs] if outs is not None else None
         self.filled, self.fill_ns = 0, 0
         self._pass: Optional[int] = None
+        self._mine: dict[tuple[int, int], list[Fill]] = {}  # (wait pass, ordinal) -> this rank's fills there
+        for f in plan.fills:
+            if f.rank == rank:
+                self._mine.setdefault((f.wait_pass, f.ordinal), []).append(f)
+        self._recv: dict[tuple[int, int], tuple] = {}  # (pass, local microbatch) -> (work, buffer, k)
+        self._sends: list = []
+
+    def _m(self, index: int) -> int:
+        return self.microbatches[index] // self.layout.dp
+
+    def _size(self, index: int) -> int:
+        return int(self.outs[index].shape[0]) // self.microbatches[index]
+
+    def _tag(self, f: Fill) -> int:
+        return _TAG + f.target_pass * 4096 + f.microbatch
 
     def loss_rank(self, replica: int) -> int:
         """The rank computing the loss of data-parallel replica ``replica``'s microbatches."""
         return self.layout.rank_of(MeshCoord(self.layout.stage_rank(self.last_stage), replica, 0))
 
-    # -- a pass ------------------------------------------------------------------------------------
-    def begin_pass(self, index: int, target: Optional[torch.Tensor]) -> None:
-        """Before pass ``index``'s schedule step; ``target``: this rank's rows of its target
-        (the tensor the schedule splits into the microbatches' targets), on the last stage."""
-        self._pass, self._target, self._ordinal, self.records = index, target, 0, []
+    # -- the step and its passes -------------------------------------------------------------------
+    def begin_step(self, targets: Sequence[Optional[torch.Tensor]]) -> None:
+        """Before the first pass; ``targets``: this rank's rows of each pass's target (the tensors
+        the schedules split into the microbatches' targets), on the last stage. Every receive of
+        the step is posted here, so a fill sent in an earlier pass never waits for its receiver."""
+        self._targets = list(targets)
+        if not self.holds_last:
+            return
+        for f in self.plan.fills:
+            m = self._m(f.target_pass)
+            if f.microbatch // m == self.coord.dp and f.rank != self.rank:
+                out = self.outs[f.target_pass]
+                buf = torch.empty((self._size(f.target_pass), out.shape[1]), dtype=out.dtype)
+                work = dist.irecv(buf, src=f.rank, group=self.group, tag=self._tag(f))
+                self._recv[(f.target_pass, f.microbatch % m)] = (work, buf, f.microbatch)
+
+    def begin_pass(self, index: int) -> None:
+        self._pass, self._ordinal, self.records = index, 0, []
         self._start = len(self.timeline.actions)
-        M = self.microbatches[index]
-        self._m = M // self.layout.dp
-        self._size = int(self.outs[index].shape[0]) // M if self.outs is not None else 0
-        self._mine: dict[int, list[int]] = {}
-        self._recv: dict[int, tuple] = {}  # local microbatch -> (work, buffer, k)
-        self._sends: list = []
-        for k, filler, ordinal in self.plan.fills[index]:
-            if filler == self.rank:
-                self._mine.setdefault(ordinal, []).append(k)
-            if self.holds_last and k // self._m == self.coord.dp and filler != self.rank:
-                buf = torch.empty((self._size, self.outs[index].shape[1]), dtype=self.outs[index].dtype)
-                work = dist.irecv(buf, src=filler, group=self.group, tag=_TAG + index * 4096 + k)
-                self._recv[k % self._m] = (work, buf, k)
 
     def before(self) -> None:
         forwards = {s: 0 for s in self.stage_ids}
@@ -229,18 +265,18 @@ class StepFill(RecvWaitHook):
                 forwards[a.stage] += 1
         self._forwarded = first_fillable(forwards, self.last_stage)
         self._filled_here = 0
-        for k in self._mine.get(self._ordinal, ()):
+        for f in self._mine.get((self._pass, self._ordinal), ()):
             t0 = time.time_ns()
-            out = self.compute(self._pass, k).contiguous()
-            self.timeline.record(Action(FILL_KIND, -1, k, t0, time.time_ns()))
+            out = self.compute(f.target_pass, f.microbatch).contiguous()
+            self.timeline.record(Action(FILL_KIND, -1, f.microbatch, t0, time.time_ns()))
             self.fill_ns += time.time_ns() - t0
             self.filled += 1
             self._filled_here += 1
-            target = self.loss_rank(k // self._m)
-            if target == self.rank:
-                self._write(k, out)
+            dst = self.loss_rank(f.microbatch // self._m(f.target_pass))
+            if dst == self.rank:
+                self._write(f.target_pass, f.microbatch, out)
             else:
-                self._sends.append(dist.isend(out, dst=target, group=self.group, tag=_TAG + self._pass * 4096 + k))
+                self._sends.append(dist.isend(out, dst=dst, group=self.group, tag=self._tag(f)))
 
     def after(self, start_ns: int, blocked_from_ns: int, end_ns: int) -> None:
         self.records.append(WaitRecord(end_ns - start_ns, end_ns - blocked_from_ns, self._forwarded,
@@ -250,29 +286,32 @@ class StepFill(RecvWaitHook):
     def before_forward(self, stage: int, microbatch: int) -> None:
         """The last stage's hook before its forward of ``microbatch``: the filled log-probs of it,
         received (a bounded wait: the process group's timeout) and written where the loss reads them."""
-        if stage != self.last_stage or microbatch not in self._recv:
+        if stage != self.last_stage or (self._pass, microbatch) not in self._recv:
             return
-        work, buf, k = self._recv.pop(microbatch)
+        work, buf, k = self._recv.pop((self._pass, microbatch))
         work.wait()
-        self._write(k, buf)
+        self._write(self._pass, k, buf)
 
-    def _write(self, k: int, values: torch.Tensor) -> None:
-        i, size = self._pass, self._size
-        lo = (k % self._m) * size  # in this replica's rows
+    def _write(self, index: int, k: int, values: torch.Tensor) -> None:
+        size = self._size(index)
+        lo = (k % self._m(index)) * size  # in this replica's rows
         rows = slice(k * size, (k + 1) * size)  # in the pass's rows
-        mask = self.masks[i][rows]
-        channel = self._target[lo:lo + size, :, self.ref_channel]
+        mask = self.masks[index][rows]
+        channel = self._targets[index][lo:lo + size, :, self.ref_channel]
         channel[mask] = values[mask].to(channel.dtype)
-        self.delta[i][rows] = values
+        self.delta[index][rows] = values
 
     def end_pass(self) -> list[WaitRecord]:
+        """After pass's schedule step: its waits, for the next step's offer."""
+        self._pass = None
+        return self.records
+
+    def end_step(self) -> None:
         for work in self._sends:
             work.wait()
         if self._recv:
-            raise RuntimeError(f"reference fill: microbatches {sorted(self._recv)} of pass {self._pass} were "
-                               "received but never reached their loss")
-        self._pass = None
-        return self.records
+            raise RuntimeError(f"reference fill: microbatches {sorted(self._recv)} (pass, microbatch) were "
+                               "planned but never reached their loss")
 
     def finish(self) -> Optional[list[torch.Tensor]]:
         """After the step: the pre-step pass's log-probs completed with every replica's fills

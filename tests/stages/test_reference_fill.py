@@ -19,7 +19,7 @@ from stages.policy import hf_state
 from stages.train.batch import build_global_batch
 from stages.train.buckets import bucketed_layout, microbatches_per_pass
 from stages.train.engine import InjectedFault, TrainSetup
-from stages.train.fill import FILL_SHARE, WaitRecord, first_fillable, offer, plan_fill
+from stages.train.fill import FILL_SHARE, Fill, WaitRecord, first_fillable, offer, plan_fill
 from stages.train.local import run_local_pipeline
 from stages.train.plan import microbatch_layout
 from test_buckets_pipeline import BUDGET, G, LOSS, MAX_NEW, PROMPT_WIDTH, STEP_B, WIDTHS, arrays_for
@@ -47,7 +47,7 @@ def _run(setup: TrainSetup, model, batch):
     ("zb-h1", 1, 1, False, 1),
     ("zbv", 2, 1, False, 1),  # V-shaped: the loss on rank 0, which fills its own
     ("dualpipev", 2, 1, False, 1),
-    ("1f1b", 1, 1, True, 1),  # length buckets: several passes a step, each planned on its own
+    ("1f1b", 1, 1, True, 1),  # length buckets: a wait of the first pass fills the later passes' too
     ("1f1b", 1, 2, False, 1),  # PP2 x DP2: each replica's first stage fills for its last stage
 ])
 def test_a_step_with_reference_fills_equals_the_plain_fused_step(schedule, virtual, dp, bucketed, stalled):
@@ -80,44 +80,50 @@ def test_a_step_with_reference_fills_equals_the_plain_fused_step(schedule, virtu
             assert ours.grads[c].keys() == theirs.grads[c].keys()
             for name in ours.grads[c]:
                 assert torch.equal(ours.grads[c][name], theirs.grads[c][name]), (c, name)
-            assert ours.steps[c].metrics["loss"] == theirs.steps[c].metrics["loss"] if "loss" in ours.steps[
-                c].metrics else True
+            assert ours.steps[c].metrics.get("loss") == theirs.steps[c].metrics.get("loss"), c
     for ours, theirs in zip(got, want):
         assert ours.state.keys() == theirs.state.keys()
         for name in ours.state:
             assert torch.equal(ours.state[name], theirs.state[name]), name
 
 
-def test_an_offer_takes_what_fits_in_the_share_of_its_best_wait():
+def test_an_offer_is_the_share_of_the_longest_wait_with_something_to_fill():
     ms = 1_000_000
     waits = [WaitRecord(10 * ms, 10 * ms, forwarded=1), WaitRecord(40 * ms, 40 * ms, forwarded=2),
-             WaitRecord(90 * ms, 90 * ms, forwarded=8)]  # every microbatch forwarded: nothing to fill
-    assert offer(waits, 12 * ms, num_microbatches=8) == (1, 2, int(FILL_SHARE * 40 // 12))
-    assert offer(waits, 50 * ms, num_microbatches=8) == (0, 0, 0)  # none fits
-    assert offer(waits, 1 * ms, num_microbatches=4) == (0, 1, 3)  # at most the microbatches after the wait
-    # A fill that left no blocked time most likely ran past the receive: one fewer there.
-    assert offer([WaitRecord(40 * ms, 0, forwarded=0, filled=3)], 10 * ms, 8) == (0, 0, 2)
+             WaitRecord(90 * ms, 90 * ms, forwarded=8)]  # the drain: every microbatch of the pass forwarded
+    assert offer(waits, num_microbatches=8, later_passes=False) == (1, 2, int(FILL_SHARE * 40 * ms))
+    assert offer(waits, num_microbatches=8, later_passes=True) == (2, 8, int(FILL_SHARE * 90 * ms))
+    assert offer(waits[2:], num_microbatches=8, later_passes=False) == (0, 0, 0)
+    # A fill that left no blocked time most likely ran past the op: half of what it filled.
+    assert offer([WaitRecord(40 * ms, 0, forwarded=0, filled=3)], 8, False) == (0, 0, 20 * ms)
     assert first_fillable({0: 2, 3: 0}, last_stage=3) == 0  # the loss's own rank: its last stage's forwards
     assert first_fillable({1: 3, 2: 1}, last_stage=3) == 1
 
 
-def test_the_plan_moves_the_latest_offered_microbatches_and_balances_the_rest():
+def _offers(rank_offers, times):
+    return [[(*o, t) for o, t in zip(offers, times)] for offers in rank_offers]
+
+
+def test_the_plan_takes_the_latest_microbatches_that_fit_and_balances_the_rest():
     layout = ParallelLayout(pp=2)
-    none = plan_fill([[(0, 0, 0)], [(0, 0, 0)]], [8], [1.0], layout)
+    none = plan_fill(_offers([[(0, 0, 0)], [(0, 0, 0)]], [10]), [8], [1.0], layout)
     assert none.owner == ((0, 1, 0, 1, 0, 1, 0, 1),) and none.num_filled == 0  # round robin, as without fills
-    plan = plan_fill([[(0, 2, 2)], [(0, 0, 0)]], [8], [1.0], layout)
-    assert plan.fills == (((7, 0, 0), (6, 0, 0)),)
+    plan = plan_fill(_offers([[(0, 2, 25)], [(0, 0, 0)]], [10]), [8], [1.0], layout)  # 25 ns: two of 10
+    assert plan.fills == (Fill(0, 7, 0, 0, 0), Fill(0, 6, 0, 0, 0))
     assert plan.owner[0][6:] == (-1, -1) and sorted(plan.owner[0][:6]) == [0, 0, 0, 1, 1, 1]
     # One fill of 8 leaves 4 and 3 to compute before the step, as long as 4 and 4: nothing is filled.
-    assert plan_fill([[(0, 2, 1)], [(0, 0, 0)]], [8], [1.0], layout) == none
+    assert plan_fill(_offers([[(0, 2, 15)], [(0, 0, 0)]], [10]), [8], [1.0], layout) == none
     # Data-parallel replicas: a rank fills only its own replica's microbatches (k // (M / D)).
     dp = ParallelLayout(pp=2, dp=2)
-    plan = plan_fill([[(0, 1, 2)], [(0, 1, 2)], [(0, 0, 0)], [(0, 0, 0)]], [8], [1.0], dp)
-    assert plan.fills == (((3, 0, 0), (2, 0, 0), (7, 1, 0), (6, 1, 0)),)
+    plan = plan_fill(_offers([[(0, 1, 20)], [(0, 1, 20)], [(0, 0, 0)], [(0, 0, 0)]], [10]), [8], [1.0], dp)
+    assert [(f.microbatch, f.rank) for f in plan.fills] == [(3, 0), (2, 0), (7, 1), (6, 1)]
     assert sorted(plan.owner[0]) == [-1, -1, -1, -1, 0, 1, 2, 3]
-    # Passes of other sizes: the larger microbatches first, each onto the least loaded rank.
-    plan = plan_fill([[(0, 0, 0), (0, 1, 1)], [(0, 0, 0), (0, 0, 0)]], [2, 2], [1.0, 3.0], layout)
-    assert plan.fills == ((), ((1, 0, 0),)) and plan.owner == ((1, 1), (0, -1))
+    # Length buckets: the drain of pass 0 (every microbatch of it forwarded) fills pass 1's, at
+    # this rank's time for a microbatch of pass 1; the rest, the larger first, onto the least loaded.
+    plan = plan_fill(_offers([[(3, 2, 45), (0, 0, 0)], [(0, 0, 0), (0, 0, 0)]], [10, 20]), [2, 4], [1.0, 2.0],
+                     layout)
+    assert plan.fills == (Fill(1, 3, 0, 0, 3), Fill(1, 2, 0, 0, 3))
+    assert plan.owner == ((0, 1), (0, 1, -1, -1))
 
 
 def test_the_config_key():

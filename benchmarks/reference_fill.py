@@ -11,7 +11,8 @@ microbatches filled per step; then the medians over the runs and the ratio auto 
 
 ``--engine``: the train task's call alone (TrainRank.train_step_with_reference on two local
 ranks, 1F1B, the shapes of benchmarks/reference_parallel.py), ``--iterations`` calls per run;
-per call the slower rank's wall time and the microbatches filled, medians of calls 2.. .
+per call the slower rank's wall time and the microbatches filled, and with auto the longest wait
+any rank offered and the time of one reference microbatch, medians of calls 2.. .
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/reference_fill.py --engine --scenario bench --reps 3 --iterations 6
 """
@@ -51,9 +52,16 @@ def _engine(scenario: str, fill: bool, calls: int) -> dict[str, float]:
                        schedule="1f1b", timeout_s=600, reference_parallel="data", reference_fill=fill,
                        loss=LossConfig(kl_beta=cfg.train.kl_beta))
     out = run_local_pipeline(setup, hf_state(model), [batch] * calls, calls=["train_with_reference"] * calls)
-    return {"call_seconds": statistics.median(max(o.seconds[c] for o in out) for c in range(2, calls)),
-            "reference_fill_microbatches": statistics.median(
-                sum(o.steps[c].metrics.get("reference_fill_microbatches", 0.0) for o in out) for c in range(2, calls))}
+    def med(per_call) -> float:
+        return statistics.median(per_call(c) for c in range(2, calls))
+
+    row = {"call_seconds": med(lambda c: max(o.seconds[c] for o in out)),
+           "reference_fill_microbatches": med(lambda c: sum(o.steps[c].metrics.get("reference_fill_microbatches", 0.0)
+                                                            for o in out))}
+    if fill:  # what the plan went on: the longest offered wait of any rank, and one microbatch's time
+        for key in ("reference_fill_wait_seconds", "reference_microbatch_seconds"):
+            row[key] = med(lambda c: max(o.steps[c].metrics[key] for o in out))
+    return row
 
 
 def main() -> None:
@@ -76,12 +84,12 @@ def main() -> None:
                     row = _run(args.scenario, fill, args.iterations, runs_dir, f"{fill}-{rep}", args.overrides)
                 rows[fill].append(row)
                 print(f"rep {rep} {fill:>5}: " + " ".join(f"{k} {v:.4f}" for k, v in row.items()), flush=True)
-    keys = list(rows["false"][0])
-    med = {fill: {k: statistics.median(r[k] for r in rs) for k in keys} for fill, rs in rows.items()}
+    keys = list(rows["auto"][0])
+    med = {fill: {k: statistics.median(r[k] for r in rs) for k in keys if k in rs[0]} for fill, rs in rows.items()}
     what = "calls" if args.engine else "iterations"
     print(f"\n{args.scenario}, {args.reps} runs x {args.iterations} {what} each, medians of 2..:")
     for k in keys:
-        off, auto = med["false"][k], med["auto"][k]
+        off, auto = med["false"].get(k, 0.0), med["auto"][k]
         ratio = f"{auto / off:.3f}" if off else "-"
         print(f"  {k:<28} false {off:9.4f}   auto {auto:9.4f}   auto/false {ratio}")
 

@@ -693,7 +693,7 @@ def _collect(step: int, values: dict[str, list], stage_seconds: dict[str, float]
         # Activations and gradients between pipeline ranks in the train step, every rank's sends.
         m["pipeline_p2p_bytes"] = sum(r.metrics.get("p2p_send_bytes", 0.0) for r in trains)
         if any("reference_fill_microbatches" in r.metrics for r in trains):  # train.reference_fill
-            # reference microbatches the ranks computed inside the step's receive waits
+            # reference microbatches the ranks computed inside the step's P2P waits
             m["reference_fill_microbatches"] = sum(r.metrics["reference_fill_microbatches"] for r in trains)
         m["publish_write_seconds"] = max(r.shard_seconds for r in trains)
         origin = min((e["ts"] for e in events if "ts" in e), default=0)

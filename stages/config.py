@@ -538,11 +538,12 @@ class TrainConfig:
     stored as well, and the gradient is the separate pass's bit for bit."""
     reference_fill: Union[bool, str] = "auto"
     """With reference_pass=fused: whether some of the reference's microbatches run inside the
-    training step's receive waits instead of before it. auto: where it can, i.e. the reference
+    training step's P2P waits instead of before it. auto: where it can, i.e. the reference
     whole on every rank (reference_parallel resolves to data), training on the CPU, two or more
-    pipeline ranks; each rank offers the waits its previous step of the same pass shape measured
-    (the first stage's wait for its first gradient, in 1F1B), as many microbatches as fit in 80% of
-    one, and the rest of the pass is balanced over the ranks (stages/train/fill.py). A step where
+    pipeline ranks; each rank offers 80% of the longest wait its previous step of the same pass
+    shape measured (in 1F1B, the first stage's after its warm-up forwards, or a pass's drain for
+    the step's later passes), the microbatches that fit there leave the pre-step pass and the rest
+    is balanced over the ranks, where that shortens it (stages/train/fill.py). A step where
     nothing fits is the plain fused step. The log-probs, and so the step, are the same bits either
     way (docs/performance.md). false: the whole pass before the step."""
     keep_optimizer_state: str = "latest"

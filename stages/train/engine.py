@@ -143,7 +143,7 @@ class TrainSetup:
     (train.layer_split, resolved: GRPOConfig.layer_split); None: the even split."""
     reference_fill: bool = False
     """Whether :meth:`TrainRank.train_step_with_reference` computes some of the reference's
-    microbatches inside the step's receive waits (train.reference_fill, stages/train/fill.py).
+    microbatches inside the step's P2P waits (train.reference_fill, stages/train/fill.py).
     Takes effect with the reference whole on every rank (reference_parallel=data), on the CPU
     (gloo), with two or more pipeline ranks; the log-probs are the same bits either way."""
 
@@ -241,13 +241,14 @@ class TrainRank:
         self._shapes: dict[str, dict[str, str]] = {}  # schedule -> input signature of its first step
         # (pass kind, one microbatch's input_ids shape) -> the stages of each schedule built for it
         self._stages_by_shape: dict[tuple, list[list[TimedStage]]] = {}
-        # reference_fill: each train pass's receive waits in its last step (by schedule key), the
+        # reference_fill: each train pass's P2P waits in its last step (by schedule key), the
         # time of one whole-reference microbatch (by its shape), and the fill of the running step
         self.fills_waits = (setup.reference_fill and self.reference_whole is not None and self.device.type == "cpu"
                             and self.layout.pp > 1)
         self._fill_waits: dict[str, list[WaitRecord]] = {}
         self._reference_mb_ns: dict[tuple[int, int], float] = {}
         self._fill: Optional[StepFill] = None
+        self._fill_measured: dict[str, float] = {}
 
     # -- construction -------------------------------------------------------------------------------
     def _build(self, stage: int, tensors: dict[str, torch.Tensor], frozen: bool = False) -> nn.Module:
@@ -615,43 +616,45 @@ class TrainRank:
 
     def _train_step_with_filled_reference(self, batch) -> tuple[StepResult, Optional[np.ndarray]]:
         """:meth:`train_step_with_reference` with some reference microbatches computed inside the
-        step's receive waits (TrainSetup.reference_fill, stages/train/fill.py); the same log-probs
+        step's P2P waits (TrainSetup.reference_fill, stages/train/fill.py); the same log-probs
         in the same target channel, so the same step bit for bit. Its metrics add
-        ``reference_fill_microbatches`` and ``reference_fill_seconds`` (this rank's fills)."""
-        if self.reference_whole is None:
-            raise ValueError("this rank holds no whole reference (reference_parallel=data)")
+        ``reference_fill_microbatches`` and ``reference_fill_seconds`` (this rank's fills), and what
+        its plan went on: ``reference_fill_wait_seconds`` (the longest wait this rank offered, 0 for
+        none) and ``reference_microbatch_seconds`` (its time for one reference microbatch, the
+        slowest shape of the step, as last measured)."""
         passes = getattr(batch, "passes", (batch,))
         D = self.layout.dp
         specs = [(getattr(p, "num_microbatches", None), p.input_ids, p.target[..., 0].long(), p.stage_kwargs())
                  for p in passes]
-        keys = [_pass_key("train", mb, (mb // D) if mb is not None else self.setup.num_microbatches,
-                          signature_of(0, {"input_ids": p.input_ids})["input_ids"]) for mb, p in zip(
-                              (s[0] for s in specs), passes)]
+        keys = [_pass_key("train", mb, mb // D if mb is not None else self.setup.num_microbatches,
+                          signature_of(0, {"input_ids": ids})["input_ids"]) for mb, ids, *_ in specs]
         t0 = time.perf_counter()
         outs, plan = self._shared_logp("reference_logp", specs, to="loss", fill_keys=keys)
         reference_s = time.perf_counter() - t0
         bucketed = isinstance(batch, BucketedBatch)
-        if outs is not None:
-            batch = batch.with_completion_values("ref_logp", batch.completion_values(outs if bucketed else outs[0]))
+        values = None if outs is None else batch.completion_values(outs if bucketed else outs[0])
+        if values is not None:
+            batch = batch.with_completion_values("ref_logp", values)
         microbatches = [self.setup.num_microbatches * D if mb is None else mb for mb, *_ in specs]
         inputs = [{"input_ids": ids, "next_ids": nxt, **kw} for _, ids, nxt, kw in specs]
 
         def compute(i: int, k: int) -> torch.Tensor:
             return self._reference_microbatch(inputs[i], int(inputs[i]["input_ids"].shape[0]) // microbatches[i], k)
 
-        masks = [p.completion_mask() for p in passes] if outs is not None else None
+        # A plan of no fills still runs the hook: it measures the waits the next step offers.
+        masks = [p.completion_mask() for p in passes] if outs is not None and plan.num_filled else None
         self._fill = StepFill(plan, microbatches, self.rank, self.layout, self.groups.pp, compute, self.timeline,
                               self.stage_ids, TARGET_FIELDS.index("ref_logp"), outs, masks, self.groups.dp)
         try:
             step = self.train_step(batch)
         finally:
             fill, self._fill = self._fill, None
-        outs = fill.finish()
         step.metrics.update(reference_seconds=reference_s, reference_fill_microbatches=float(fill.filled),
-                            reference_fill_seconds=fill.fill_ns / 1e9)
-        if not self.is_output_rank:
-            return step, None
-        return step, batch.completion_values(outs if bucketed else outs[0])
+                            reference_fill_seconds=fill.fill_ns / 1e9, **self._fill_measured)
+        if plan.num_filled:  # the pre-step pass's log-probs with the fills in
+            outs = fill.finish()
+            values = None if outs is None else batch.completion_values(outs if bucketed else outs[0])
+        return step, values if self.is_output_rank else None
 
     @torch.no_grad()
     def _forward_logp(self, what: str, passes: list, to: str = "output") -> Optional[list[torch.Tensor]]:
@@ -698,13 +701,18 @@ class TrainRank:
 
     def _fill_offers(self, keys: list[str], inputs: list) -> np.ndarray:
         """This rank's offers for the step's passes (stages/train/fill.py ``offer``), from the
-        receive waits of each pass's last step and this rank's time for one reference microbatch."""
-        offers, times = [], []
+        P2P waits of each pass's last step and this rank's time for one reference microbatch."""
+        offers, times, longest = [], [], 0
         for i, (key, (M, full)) in enumerate(zip(keys, inputs)):
             shape = (int(full["input_ids"].shape[0]) // M, int(full["input_ids"].shape[1]))
             waits = self._fill_waits.get(key)
             offers.append(offer(waits, M // self.layout.dp, i + 1 < len(inputs)) if waits else (0, 0, 0))
             times.append(int(self._reference_mb_ns.get(shape, 0)))
+            if offers[-1][2]:
+                longest = max(longest, waits[offers[-1][0]].available_ns)
+        # what the plan had to go on: this rank's longest offered wait, its slowest microbatch
+        self._fill_measured = {"reference_fill_wait_seconds": longest / 1e9,
+                               "reference_microbatch_seconds": max(times, default=0) / 1e9}
         return encode_offers(offers, times)
 
     def _shared_logp(self, what: str, passes: list, to: str = "output", fill_keys: Optional[list[str]] = None):

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from stages.layout import ParallelLayout
 from stages.layout.mesh import MeshCoord
-from stages.train.timeline import FILL_KIND, Action, RankTimeline, RecvWaitHook
+from stages.train.timeline import FILL_KIND, Action, RankTimeline, P2PWaitHook
 
 __all__ = ["FILL_SHARE", "MAX_FILL_PASSES", "WaitRecord", "FillPlan", "first_fillable", "offer", "encode_offers",
            "decode_offers", "Fill", "plan_fill", "StepFill"]
@@ -52,7 +52,7 @@ FILL_SHARE = 0.8
 """The share of a measured wait its fills may take (waits vary from step to step)."""
 _RAN_PAST = 0.02
 """A fill whose wait blocked for less than this share of it after the fill most likely ran past
-the receive (its completion cannot be observed): the next offer there is one microbatch fewer."""
+the op (its completion cannot be observed): the next offer there is half of what it filled."""
 MAX_FILL_PASSES = 16
 """Passes of one step an offer covers (the all-gathered offer has a fixed size on every rank, so a
 mismatch in the step's inputs is reported by the input check, not by a collective of odd sizes)."""
@@ -60,10 +60,10 @@ mismatch in the step's inputs is reported by the input check, not by a collectiv
 
 @dataclass(frozen=True)
 class WaitRecord:
-    """One receive wait of a rank in a pass."""
+    """One send or receive wait of a rank in a pass."""
 
     available_ns: int
-    """From the wait's start, before any fill, to the receive's completion."""
+    """From the wait's start, before any fill, to the op's completion."""
     blocked_ns: int
     """The part of it blocked in the wait, after the fills."""
     forwarded: int
@@ -193,9 +193,9 @@ def plan_fill(offers: Sequence[Sequence[tuple[int, int, int, int]]], microbatche
 _TAG = 1 << 20  # the fills' P2P tags, apart from the schedules' (0): tag _TAG + pass * 4096 + microbatch
 
 
-class StepFill(RecvWaitHook):
+class StepFill(P2PWaitHook):
     """One rank's part of a :class:`FillPlan` during the training step (the engine's
-    ``TrainRank._forward_backward``): the :class:`~stages.train.timeline.RecvWaitHook` of each
+    ``TrainRank._forward_backward``): the :class:`~stages.train.timeline.P2PWaitHook` of each
     pass's schedule and the last stage's hook before each forward.
 
     ``compute(pass, k)`` gives microbatch k's log-probs [rows of k, T] under the whole reference.
@@ -215,7 +215,7 @@ class StepFill(RecvWaitHook):
         self.ref_channel, self.outs, self.masks = ref_channel, outs, masks
         self.coord = layout.coord(rank)
         self.holds_last = self.last_stage in self.stage_ids
-        self.delta = [torch.zeros_like(o) for o in outs] if outs is not None else None
+        self.delta = [torch.zeros_like(o) for o in outs] if outs is not None and plan.num_filled else None
         self.filled, self.fill_ns = 0, 0
         self._pass: Optional[int] = None
         self._mine: dict[tuple[int, int], list[Fill]] = {}  # (wait pass, ordinal) -> this rank's fills there

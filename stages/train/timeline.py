@@ -10,7 +10,7 @@ function times each op from its post to the end of its wait. Gloo works have no 
 completion (``Work::getFuture not implemented``), so the end of a send waited late is its wait.
 
 Bubble fraction of a rank = 1 - (time in compute actions) / (step window); a reference
-microbatch computed inside a receive wait (R, stages/train/fill.py) counts as compute.
+microbatch computed inside a send or receive wait (R, stages/train/fill.py) counts as compute.
 
 Activation stash: the bytes each stage forward saves for backward (a
 ``torch.autograd.graph.saved_tensors_hooks`` around the forward; distinct storages, parameters
@@ -33,11 +33,11 @@ from torch.distributed.pipelining import schedules as _schedules
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["Action", "COMPUTE_KINDS", "COMM_KINDS", "FILL_KIND", "RecvWaitHook", "RankTimeline", "TimedStage",
+__all__ = ["Action", "COMPUTE_KINDS", "COMM_KINDS", "FILL_KIND", "P2PWaitHook", "RankTimeline", "TimedStage",
            "autocast_to", "timed_p2p", "bubble_fraction", "chrome_events"]
 
 COMPUTE_KINDS = ("F", "B", "I", "W")
-FILL_KIND = "R"  # a frozen reference microbatch computed inside a receive wait (stages/train/fill.py)
+FILL_KIND = "R"  # a frozen reference microbatch computed inside a send or receive wait (stages/train/fill.py)
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 _LABEL = "_grpoflow_label"  # attribute set on each P2POp a TimedStage hands to a schedule
 
@@ -202,7 +202,7 @@ class TimedStage(PipelineStage):
         return self._label(super().get_bwd_send_ops(bwd_chunk_id), "SEND_B", bwd_chunk_id)
 
 
-class RecvWaitHook:
+class P2PWaitHook:
     """Called around each wait on a send or a receive under :func:`timed_p2p`: ``before`` may
     compute something the wait would otherwise idle through; ``after`` gets the wait's start
     (before ``before``), the end of ``before`` and the op's completion, in time.time_ns(). (A gloo
@@ -219,7 +219,7 @@ class RecvWaitHook:
 class _TimedWork:
     """A dist.Work that records a send/recv action when waited on."""
 
-    def __init__(self, work, label: tuple, posted_ns: int, hook: Optional[RecvWaitHook] = None):
+    def __init__(self, work, label: tuple, posted_ns: int, hook: Optional[P2PWaitHook] = None):
         self._work, self._label, self._posted_ns = work, label, posted_ns
         self._hook = hook
 
@@ -245,7 +245,7 @@ class _TimedWork:
 
 
 @contextmanager
-def timed_p2p(hook: Optional[RecvWaitHook] = None) -> Iterator[None]:
+def timed_p2p(hook: Optional[P2PWaitHook] = None) -> Iterator[None]:
     """While active, every P2P op a TimedStage hands to a torch schedule is timed (module docstring),
     and ``hook`` runs around each wait on a send or receive. Restores torch's ``_batch_p2p`` on exit."""
     original = _schedules._batch_p2p

@@ -1,5 +1,5 @@
 """train.reference_fill: with the reference whole on every rank and its pass fused into the train
-step, the ranks plan some of its microbatches into the step's receive waits, measured in the
+step, the ranks plan some of its microbatches into the step's P2P waits, measured in the
 previous step (stages/train/fill.py). A filled microbatch's log-probs are computed by the same
 whole reference over the same rows, so the step is the plain fused step's bit for bit: weights,
 gradients and the stored log-probs, on every schedule, over length buckets and data-parallel
@@ -71,6 +71,8 @@ def test_a_step_with_reference_fills_equals_the_plain_fused_step(schedule, virtu
     got = _run(replace(plain, reference_fill=True), model, batch)
     filled = [sum(o.steps[c].metrics["reference_fill_microbatches"] for o in got) for c in range(len(CALLS))]
     assert filled[0] == 0 and filled[2] > 0, filled  # planned from a step before
+    # the plan went on the second step's stall, measured by the rank it left waiting
+    assert max(o.steps[2].metrics["reference_fill_wait_seconds"] for o in got) > STALL_S / 2
     assert all("reference_fill_microbatches" not in o.steps[1].metrics for o in want)
     for c in range(len(CALLS)):
         for ours, theirs in zip(got, want):

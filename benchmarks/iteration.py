@@ -1,7 +1,10 @@
 """Whole-iteration benchmark: ``grpoflow run`` against a single-process GRPO loop on the same model.
 
 The baseline is the same iteration with nothing but compute: one process, a plain loop, no Dask,
-no Zarr, no MLflow, no pipeline. It generates with the project's engine (stages/rollout), scores
+no Zarr, no MLflow, no pipeline. It generates with the project's engine (stages/rollout) the rows
+the run generates (each of the run's rollout ranges with its task's seed, all in one engine call
+over every prompt: the loop's best layout; the report gives the share of rows that came out the
+same, step by step: after step 0 the two policies differ in float summation order only), scores
 with the project's reward, takes the project's advantages, runs the frozen reference over the
 step's batch (the same microbatch layout, length buckets included) and takes one AdamW step on the
 project's GRPO loss, on every core the process has (grpoflow's thread rule). grpoflow runs the configured pipeline on
@@ -64,15 +67,18 @@ from stages.advantage import normalize_advantages
 from stages.perf import step_model_flops
 from stages.policy import DecoderConfig, build_stage, load_hf_state
 from stages.policy.tokenizer import TextCodec
-from stages.rollout.contract import RolloutEngine
-from stages.rollout.native import NativeEngine
-from stages.rollout.rows import generate_rows
+from flows.iteration import prompt_ranges, step_layout
+from stages.rollout.engine import EngineConfig, Rollout, _PlainRunner, assemble, draw_seed, new_cache, run_engine
+from stages.rollout.rows import (RolloutRows, cut_at_stop_strings, first_group_id, rollout_rows, rollout_seed,
+                                 sampling_params)
+from stages.rollout.sampling import counter_uniforms
 from stages.reward.rows import reward_statistics, score_rows
 from stages.train.setup import train_setup
 from stages.data import open_prompt_source
 from stages.train.batch import BucketedBatch, build_global_batch
 from stages.train.loss import TARGET_FIELDS, grpo_chunked_loss, grpo_microbatch_loss, token_logp
 from storage.policies import load_model_folder
+from storage.rollouts import RolloutStore
 
 from critical_path import PARTS, medians, run_parts
 
@@ -145,19 +151,20 @@ def baseline_iterations(cfg: GRPOConfig, policy_path: str, device: str = "cpu") 
     source = open_prompt_source(cfg.dataset, codec, cfg.task.prompts_per_step)
     t, G = cfg.train, cfg.rollout.group_size
     loss_cfg = train_setup(t, model_cfg, cfg.num_microbatches, cfg.rollout.temperature).loss
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=t.weight_decay)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=t.weight_decay, fused=True)  # as the run's
     pad, layout = model_cfg.pad_token_id or 0, cfg.microbatch_layout
-    out = []
+    step_rows = step_layout(cfg)  # the run's rollout ranges, one per engine
+    ranges = prompt_ranges(step_rows.num_prompts, step_rows.chunk_samples // G, cfg.rollout.num_engines)
+    out, out_tokens = [], []
     for step in range(cfg.iterations):
         t0 = time.perf_counter()
         policy.eval()
         policy.return_hidden = False  # the engine samples from logits
         records = source.records(step)
-        engine = RolloutEngine(NativeEngine(model=policy), version=step)  # samples from the weights it trains
-        rows = generate_rows(engine, codec, [r.prompt_ids for r in records], cfg.rollout, seed=cfg.seed, step=step,
-                             prompt_start=0, prompts_per_step=cfg.task.prompts_per_step, prompt_width=cfg.prompt_width,
-                             policy_version=step)
+        with torch.inference_mode():  # samples from the weights it trains
+            rows = _generate_as_the_run(policy, codec, [r.prompt_ids for r in records], cfg, step, ranges)
         t1 = time.perf_counter()
+        out_tokens.append(rows.arrays["tokens"])
         a = dict(rows.arrays)
         scored = score_rows(codec, a, records, G, cfg.reward)
         a["reward"] = scored.reward
@@ -197,7 +204,45 @@ def baseline_iterations(cfg: GRPOConfig, policy_path: str, device: str = "cpu") 
                     "model_flops": sum(step_model_flops(model_cfg, a["prompt_len"], a["length"], group_size=G,
                                                         reference=t.uses_reference).values()),
                     **reward_statistics(scored.reward, a["length"], G)})
-    return out
+    return out, out_tokens
+
+
+class _RangedRollout(Rollout):
+    """The sampling state of one engine call over the prompts of several of the run's rollout
+    ranges: each range draws with its own task's seed and counts its prompts from its first, so the
+    call samples what the run's engines sample, one range each (stages/rollout/sampling.py: a
+    token's uniform is a function of seed, prompt, sample and token only)."""
+
+    def __init__(self, prompts, params, ranges: list[tuple[int, int]], seeds: list[int]):
+        super().__init__(prompts, params, seed=0)
+        self.ranges, self.seeds = ranges, seeds
+
+    def uniforms(self, rows: np.ndarray, stream: int = 0, offset: np.ndarray | int = 0) -> torch.Tensor:
+        G = self.params.group_size
+        prompt, offset = rows // G, np.broadcast_to(offset, rows.shape)
+        out = torch.empty(len(rows), dtype=torch.float64)
+        for (lo, hi), seed in zip(self.ranges, self.seeds):
+            sel = (prompt >= lo) & (prompt < hi)
+            if sel.any():
+                out[torch.from_numpy(sel)] = counter_uniforms(seed, prompt[sel] - lo, rows[sel] % G,
+                                                              self.length[rows[sel]] + offset[sel], stream)
+        return out
+
+
+def _generate_as_the_run(model, codec, prompts, cfg: GRPOConfig, step: int,
+                         ranges: list[tuple[int, int]]) -> RolloutRows:
+    """The step's rows as the run's rollout tasks generate them (stages/rollout/rows.py
+    generate_rows, one task per range, each seeded by its first prompt), in one call of the engine
+    over every prompt: one batch on every core, the loop's best layout."""
+    params, engine = sampling_params(cfg.rollout, codec), EngineConfig()
+    seeds = [draw_seed(torch.Generator().manual_seed(rollout_seed(cfg.seed, step, lo))) for lo, _ in ranges]
+    start = time.perf_counter()
+    state = _RangedRollout(prompts, params, ranges, seeds)
+    cache = new_cache(model, prompts, params, engine)
+    steps = run_engine(_PlainRunner(model, cache), state, engine.max_num_seqs)
+    batch = cut_at_stop_strings(assemble(state, cache, time.perf_counter() - start, steps), codec, cfg.rollout.stop)
+    return rollout_rows(batch, cfg.prompt_width, codec.pad_id, first_group_id(step, cfg.task.prompts_per_step, 0),
+                        cfg.rollout.group_size, step)
 
 
 def _median_after_first(steps: list[dict[str, float]], key: str) -> float:
@@ -264,25 +309,37 @@ def _measure(args, runs_dir: str) -> tuple[list[dict], GRPOConfig]:
         cfg = scenario_config(args.scenario, runs_dir, f"{args.scenario}-{rep}", args.iterations, args.overrides)
         order = ("flow", "base") if rep % 2 == 0 else ("base", "flow")
         row: dict[str, dict[str, float]] = {}
+        tokens: dict[str, list[np.ndarray]] = {}
         for which in order:  # rep 0 runs grpoflow first: it writes the base policy both start from
             if which == "flow":
                 steps = grpoflow_iterations(cfg)
                 row["flow"] = {k: _median_after_first(steps, k) for k in _FLOW_KEYS}
                 row["flow_path"] = _path_medians(run_folder(cfg).root)
+                tokens["flow"] = _run_tokens(run_folder(cfg).root, cfg.iterations)
                 if base_path is None:  # policy v0 of the first grpoflow run: the base model
                     base_path = str(Path(runs_dir) / "base-v0")
                     shutil.copytree(run_folder(cfg).policy_store().version_path(0), base_path, dirs_exist_ok=True)
                 if args.runs_dir is None:
                     shutil.rmtree(run_folder(cfg).root, ignore_errors=True)
             else:
-                steps = baseline_iterations(cfg, base_path, args.device)
+                steps, tokens["base"] = baseline_iterations(cfg, base_path, args.device)
                 row["base"] = {k: _median_after_first(steps, k) for k in _BASE_KEYS}
         row["ratio"] = {"flow_over_base": row["flow"]["step_window_seconds"] / row["base"]["iteration_seconds"]}
+        # The same work: the rows each step generated, compared (after step 0 the two policies differ
+        # by float summation order alone, so a row differs only where a uniform falls that close to
+        # a boundary of its token's cdf).
+        row["same_rows"] = [float(np.mean(np.all(f == b, axis=1))) for f, b in zip(tokens["flow"], tokens["base"])]
         reps.append(row)
         print(f"rep {rep}: grpoflow {row['flow']['step_window_seconds']:.3f} s/it, "
-              f"baseline {row['base']['iteration_seconds']:.3f} s/it, ratio {row['ratio']['flow_over_base']:.2f}",
-              flush=True)
+              f"baseline {row['base']['iteration_seconds']:.3f} s/it, ratio {row['ratio']['flow_over_base']:.2f}; "
+              f"rows the same in both, by step: {', '.join(f'{x:.0%}' for x in row['same_rows'])}", flush=True)
     return reps, cfg
+
+
+def _run_tokens(run_dir: str, iterations: int) -> list[np.ndarray]:
+    """The completion tokens [rows, max_new_tokens] the run stored for each step."""
+    store = RolloutStore(Path(run_dir) / "rollouts.zarr")
+    return [store.read(step, "tokens")["tokens"] for step in range(iterations)]
 
 
 def _path_medians(run_dir: str) -> dict[str, float]:
@@ -306,6 +363,8 @@ def _report(scenario: str, reps: list[dict], overlapping: bool = False) -> None:
     else:
         print(f"grpoflow outside rollout/reference/train compute: {1 - compute / f['step_window_seconds']:.1%}")
     print("baseline: " + ", ".join(f"{k} {v:.3f}" for k, v in b.items()))
+    same = [statistics.median(r["same_rows"][k] for r in reps) for k in range(len(reps[0]["same_rows"]))]
+    print(f"rows the same in both, by step (median over the reps): {', '.join(f'{x:.0%}' for x in same)}")
     # MFU: the run's (its step metrics, over its iteration seconds) and the loop's, both against the
     # matmul rate the run measured on this host with every core (stages/perf).
     print(f"MFU (model FLOPs / (seconds x {f['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s)): grpoflow {f['mfu']:.1%} "

@@ -55,7 +55,8 @@ from storage.run_folder import RunFolder
 
 __all__ = ["STAGES", "IterationError", "WorkerLostError", "IterationResult", "PendingIteration", "PendingPolicy",
            "StageFutures", "Dep", "Task", "StepPlan", "plan_step", "submit_plan", "run_iteration", "prepare_step",
-           "submit_iteration", "finish_iteration", "step_layout", "step_stages", "inside_stages", "stage_inputs"]
+           "submit_iteration", "finish_iteration", "step_layout", "prompt_ranges", "step_stages", "inside_stages",
+           "stage_inputs"]
 
 STAGES = ("rollout", "reward", "reference", "advantage", "train", "publish")
 # What each stage waits for; a stage's seconds are measured from the last of these finishing.
@@ -194,8 +195,9 @@ def step_layout(cfg: GRPOConfig) -> StepLayout:
     return StepLayout(prompts, G, cfg.prompt_width, cfg.rollout.max_new_tokens, groups_per_chunk)
 
 
-def _ranges(num_groups: int, groups_per_chunk: int, parts: int) -> list[tuple[int, int]]:
-    """Split groups [0, num_groups) into at most ``parts`` chunk-aligned contiguous ranges."""
+def prompt_ranges(num_groups: int, groups_per_chunk: int, parts: int) -> list[tuple[int, int]]:
+    """Split groups [0, num_groups) into at most ``parts`` chunk-aligned contiguous ranges: the
+    prompts of each rollout task (one per engine) and of each scoring task."""
     chunks = -(-num_groups // groups_per_chunk)
     parts = max(1, min(parts, chunks))
     bounds = [round(i * chunks / parts) * groups_per_chunk for i in range(parts + 1)]
@@ -278,7 +280,7 @@ class _StepPlanner:
         engines = self.pools.rollout
         calls = [(tasks.rollout_task, (self.cfg, ref, self.policy_arg, lo, hi, engine, scored),
                   dict(key=f"rollout-{ref.step}-{i}-{tok}", resources={"rollout": 1}, pure=False))
-                 for i, (lo, hi) in enumerate(_ranges(self.layout.num_prompts, self.gpc, len(engines)))
+                 for i, (lo, hi) in enumerate(prompt_ranges(self.layout.num_prompts, self.gpc, len(engines)))
                  for engine in [engines[i % len(engines)]]]
         if not scored:
             return self.add("rollout", calls), ()
@@ -308,7 +310,7 @@ class _StepPlanner:
         # each scoring task writes rewards and advantages of whole groups
         scoring = [(tasks.score_task, (cfg, ref, self.policy_path, lo * G, hi * G, *rollout),
                     dict(key=f"score-{ref.step}-{i}-{tok}", **self.io))
-                   for i, (lo, hi) in enumerate(_ranges(self.layout.num_prompts, self.gpc, cfg.reward.num_tasks))]
+                   for i, (lo, hi) in enumerate(prompt_ranges(self.layout.num_prompts, self.gpc, cfg.reward.num_tasks))]
         if len(scoring) == 1:
             fn, args, kw = scoring[0]
             work = (self.task(tasks.run_and_mark, fn, ref, tasks.SCORED, {}, *args, **kw),)

@@ -67,6 +67,13 @@ __all__ = ["TrainSetup", "StepResult", "TrainRank", "rank_tensor_names", "train_
            "TrainStepError", "InputMismatchError", "InjectedFault"]
 
 _CPU = torch.device("cpu")
+
+
+def _fused_adamw(params: list[nn.Parameter]) -> bool:
+    """AdamW's fused kernel (one pass over each tensor instead of a dozen foreach ops: a quarter
+    of the time on a CPU, docs/performance.md) for plain CPU or CUDA tensors; the foreach path for
+    tensor-parallel DTensors. Its update differs from the foreach one in the last bit."""
+    return bool(params) and all(not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") for p in params)
 _AUTOCAST = {"float32": None, "bfloat16": torch.bfloat16}  # train.dtype -> the autocast dtype of the forwards
 _LOGP_TO = ("output", "loss")  # the ranks a forward-only pass's log-probs go to (TrainRank.batch_logp)
 
@@ -234,7 +241,8 @@ class TrainRank:
         self._inference_pending: set[str] = set(self._schedules)  # schedules whose first step infers shapes
         self.params = unique_parameters(self.modules)
         self.head_local = head_local_parameters(self.modules)  # TP sums their per-head gradient shares
-        self.optimizer = torch.optim.AdamW(self.params, lr=setup.lr, weight_decay=setup.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.params, lr=setup.lr, weight_decay=setup.weight_decay,
+                                           fused=_fused_adamw(self.params))
         self._passes = 0  # training / forward-only passes started: the same sequence on every rank
         self._pass = -1  # the one running (InjectedFault.step, the failure reports' key)
         self.last_forward: Optional[StepResult] = None
@@ -807,12 +815,14 @@ class TrainRank:
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         """AdamW's per-parameter state of this rank (local TP shards): "<param>.exp_avg",
-        "<param>.exp_avg_sq", "<param>.step"; empty before the first step."""
+        "<param>.exp_avg_sq", "<param>.step"; empty before the first step. On the CPU these are
+        the live tensors, not copies (a rank's state is twice its weights): save them before the
+        next step moves them."""
         out: dict[str, torch.Tensor] = {}
         for name, p in self._named_params():
             for key, value in self.optimizer.state.get(p, {}).items():
                 t = value.to_local() if isinstance(value, DTensor) else value
-                out[f"{name}.{key}"] = t.detach().to(_CPU, copy=True).contiguous()
+                out[f"{name}.{key}"] = t.detach().to(_CPU).contiguous()
         return out
 
     def load_optimizer_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -826,8 +836,9 @@ class TrainRank:
         for name, p in params:
             entry = {}
             for key in ("exp_avg", "exp_avg_sq", "step"):
-                # AdamW keeps its step count on the host (neither fused nor capturable), moments by the parameter.
-                t = state[f"{name}.{key}"].clone() if key == "step" else state[f"{name}.{key}"].to(p.device, copy=True)
+                # The step count on the host, the moments by the parameter (fused AdamW: all by it).
+                where = p.device if key != "step" or self.optimizer.defaults.get("fused") else _CPU
+                t = state[f"{name}.{key}"].to(where, copy=True)
                 if key != "step" and isinstance(p, DTensor):
                     t = DTensor.from_local(t, p.device_mesh, p.placements, run_check=False)
                 elif key != "step" and t.shape != p.shape:

@@ -67,15 +67,16 @@ __all__ = ["TrainSetup", "StepResult", "TrainRank", "rank_tensor_names", "train_
            "TrainStepError", "InputMismatchError", "InjectedFault"]
 
 _CPU = torch.device("cpu")
-
-
-def _fused_adamw(params: list[nn.Parameter]) -> bool:
-    """AdamW's fused kernel (one pass over each tensor instead of a dozen foreach ops: a quarter
-    of the time on a CPU, docs/performance.md) for plain CPU or CUDA tensors; the foreach path for
-    tensor-parallel DTensors. Its update differs from the foreach one in the last bit."""
-    return bool(params) and all(not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") for p in params)
 _AUTOCAST = {"float32": None, "bfloat16": torch.bfloat16}  # train.dtype -> the autocast dtype of the forwards
 _LOGP_TO = ("output", "loss")  # the ranks a forward-only pass's log-probs go to (TrainRank.batch_logp)
+
+
+def _fused_adamw(params: list[nn.Parameter]) -> Optional[bool]:
+    """AdamW's fused kernel (one pass over each tensor instead of a dozen foreach ops: a quarter
+    of the time on a CPU, docs/performance.md) for plain CPU or CUDA tensors; None (torch's
+    default, foreach) for tensor-parallel DTensors. Its update differs from foreach's in the last bit."""
+    return True if params and all(not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda")
+                                  for p in params) else None
 
 
 def train_placement(device: str, dtype: str, rank: int, world_size: int

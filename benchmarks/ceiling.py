@@ -12,8 +12,11 @@ Each on 1 thread (a pipeline rank's, and one of the run's two engines: 32 rows) 
 (the single-process loop: 64 rows), against the rate measured with the same threads. Fastest of
 ``--reps`` after a warm-up. No iteration's MFU exceeds these shares, whatever its layout: the
 bubble, the optimiser step, the writes and the rollout's tail of few live rows only lower them.
+Then one AdamW step over the model's parameters on one thread, foreach (torch's default) against
+fused (what the training ranks take), and with ``--profile`` torch.profiler's top ops of the
+one-thread forward + backward.
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/ceiling.py --reps 3
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/ceiling.py --reps 3 [--profile]
 """
 
 from __future__ import annotations
@@ -64,11 +67,29 @@ def _decode_seconds(model, rows: int, reps: int) -> tuple[float, float]:
     return best, flops
 
 
+def _adamw_seconds(model, fused: bool, reps: int) -> float:
+    """Fastest AdamW step over the model's parameters, random gradients, after a first step."""
+    params = [p for p in model.parameters()]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    opt = torch.optim.AdamW(params, lr=1e-9, fused=True if fused else None)
+    opt.step()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        opt.step()
+        best = min(best, time.perf_counter() - t)
+    model.zero_grad(set_to_none=True)
+    return best
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="models/smollm2-135m-instruct")
     p.add_argument("--row", type=int, default=288, help="tokens of the packed training row")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--profile", action="store_true", help="also torch.profiler's top ops of the one-thread "
+                   "forward + backward")
     args = p.parse_args()
     hf_config, _, tensors = load_model_folder(args.model)
     cfg = DecoderConfig.from_hf(hf_config)
@@ -91,6 +112,15 @@ def main() -> None:
         model.train()
         print(f"| decode | {threads} | {rows} rows x {_NEW} tokens | {flops / seconds / 1e9:.1f} | "
               f"{rate / 1e9:.1f} | {flops / seconds / rate:.0%} |", flush=True)
+    torch.set_num_threads(1)
+    n = sum(p.numel() for p in model.parameters())
+    foreach, fused = _adamw_seconds(model, False, args.reps), _adamw_seconds(model, True, args.reps)
+    print(f"AdamW step, 1 thread, {n / 1e6:.0f} M parameters: foreach {foreach:.3f} s, fused {fused:.3f} s")
+    if args.profile:
+        model.return_hidden = True
+        with torch.profiler.profile() as prof:
+            _train_seconds(model, args.row, 0)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
     torch.set_num_threads(cores)
 
 

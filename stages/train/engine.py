@@ -72,7 +72,7 @@ _LOGP_TO = ("output", "loss")  # the ranks a forward-only pass's log-probs go to
 
 
 def _fused_adamw(params: list[nn.Parameter]) -> Optional[bool]:
-    """AdamW's fused kernel (one pass over each tensor instead of a dozen foreach ops: a quarter
+    """AdamW's fused kernel (one pass over each tensor instead of a dozen foreach ops: a fifth
     of the time on a CPU, docs/performance.md) for plain CPU or CUDA tensors; None (torch's
     default, foreach) for tensor-parallel DTensors. Its update differs from foreach's in the last bit."""
     return True if params and all(not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda")
